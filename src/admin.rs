@@ -1,0 +1,291 @@
+//! Operator actions without SQL: principals, accounts, deposits, and the
+//! demo fixtures. Deposits are ledger transfers from the currency's funding
+//! account, never balance edits, so the ledger always sums to zero.
+
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::auth;
+use crate::idempotency::Fingerprint;
+use crate::ledger::{
+    self, AccountId, AmountMinor, Currency, LedgerError, PostingOutcome, PostingRequest, Transfer,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("no principal named {0:?}")]
+    UnknownPrincipal(String),
+    #[error("a principal named {0:?} already exists")]
+    PrincipalExists(String),
+    #[error("principal names are 1 to 64 characters")]
+    InvalidPrincipalName,
+    #[error("{0} is not a supported currency")]
+    UnsupportedCurrency(String),
+    #[error("{0}")]
+    InvalidAccountId(String),
+    #[error("account {id} already exists with another owner or currency")]
+    AccountConflict { id: String },
+    #[error("no customer account {0}")]
+    UnknownAccount(String),
+    #[error("amount_minor: {0}")]
+    InvalidAmount(String),
+    #[error("reference {0:?} was already used for a different deposit")]
+    ReferenceReused(String),
+    #[error("principal {name:?} exists with a different token")]
+    TokenMismatch { name: String },
+    #[error("{0}")]
+    Ledger(String),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<LedgerError> for AdminError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::Database(e) => Self::Database(e),
+            other => Self::Ledger(other.to_string()),
+        }
+    }
+}
+
+/// A new principal and its token, shown once: only its hash is stored.
+#[derive(Debug, Serialize)]
+pub struct NewPrincipal {
+    pub principal_id: Uuid,
+    pub name: String,
+    pub token: String,
+}
+
+pub async fn create_principal(pool: &PgPool, name: &str) -> Result<NewPrincipal, AdminError> {
+    check_principal_name(name)?;
+    let token = auth::generate_token();
+    let id: Option<Uuid> = sqlx::query_scalar(
+        "INSERT INTO principals (id, name, token_sha256) VALUES ($1, $2, $3)
+         ON CONFLICT (name) DO NOTHING RETURNING id",
+    )
+    .bind(Uuid::now_v7())
+    .bind(name)
+    .bind(auth::token_sha256(&token).as_slice())
+    .fetch_optional(pool)
+    .await?;
+    let principal_id = id.ok_or_else(|| AdminError::PrincipalExists(name.to_owned()))?;
+    Ok(NewPrincipal {
+        principal_id,
+        name: name.to_owned(),
+        token,
+    })
+}
+
+fn check_principal_name(name: &str) -> Result<(), AdminError> {
+    if (1..=64).contains(&name.chars().count()) && !name.chars().any(char::is_control) {
+        Ok(())
+    } else {
+        Err(AdminError::InvalidPrincipalName)
+    }
+}
+
+/// Makes sure a principal with this name and token exists; running it again
+/// changes nothing. For fixtures, whose tokens are fixed.
+pub async fn ensure_principal(pool: &PgPool, name: &str, token: &str) -> Result<Uuid, AdminError> {
+    check_principal_name(name)?;
+    let hash = auth::token_sha256(token);
+    sqlx::query(
+        "INSERT INTO principals (id, name, token_sha256) VALUES ($1, $2, $3)
+         ON CONFLICT (name) DO NOTHING",
+    )
+    .bind(Uuid::now_v7())
+    .bind(name)
+    .bind(hash.as_slice())
+    .execute(pool)
+    .await?;
+    let (id, stored): (Uuid, Vec<u8>) =
+        sqlx::query_as("SELECT id, token_sha256 FROM principals WHERE name = $1")
+            .bind(name)
+            .fetch_one(pool)
+            .await?;
+    if stored.as_slice() != hash.as_slice() {
+        return Err(AdminError::TokenMismatch {
+            name: name.to_owned(),
+        });
+    }
+    Ok(id)
+}
+
+async fn principal_id_by_name(pool: &PgPool, name: &str) -> Result<Uuid, AdminError> {
+    sqlx::query_scalar("SELECT id FROM principals WHERE name = $1")
+        .bind(name)
+        .fetch_optional(pool)
+        .await?
+        .ok_or_else(|| AdminError::UnknownPrincipal(name.to_owned()))
+}
+
+/// The most accounts one principal may hold; bounds what one misbehaving
+/// onboarding script can create.
+pub const ACCOUNTS_PER_PRINCIPAL_MAX: i64 = 1_000;
+
+/// Opens an account for a principal in a currency. With an explicit id,
+/// opening it again for the same owner and currency changes nothing.
+pub async fn open_account(
+    pool: &PgPool,
+    owner: &str,
+    currency: &str,
+    id: Option<&str>,
+) -> Result<AccountId, AdminError> {
+    let principal_id = principal_id_by_name(pool, owner).await?;
+    let currency = Currency::parse(currency)
+        .map_err(|_| AdminError::UnsupportedCurrency(currency.to_owned()))?;
+    let id = match id {
+        Some(id) => {
+            AccountId::parse(id).map_err(|e| AdminError::InvalidAccountId(e.to_string()))?
+        }
+        None => AccountId::parse(&format!(
+            "acc_{}",
+            &Uuid::new_v4().simple().to_string()[..16]
+        ))
+        .map_err(|e| AdminError::InvalidAccountId(e.to_string()))?,
+    };
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM accounts WHERE principal_id = $1")
+        .bind(principal_id)
+        .fetch_one(pool)
+        .await?;
+    if held >= ACCOUNTS_PER_PRINCIPAL_MAX {
+        return Err(AdminError::Ledger(format!(
+            "{owner} already holds {ACCOUNTS_PER_PRINCIPAL_MAX} accounts"
+        )));
+    }
+    let inserted = sqlx::query(
+        "INSERT INTO accounts (id, principal_id, currency)
+         SELECT $1, $2, code FROM currencies WHERE code = $3
+         ON CONFLICT (id) DO NOTHING",
+    )
+    .bind(id.as_str())
+    .bind(principal_id)
+    .bind(currency.as_str())
+    .execute(pool)
+    .await?
+    .rows_affected();
+    if inserted == 0 {
+        match ledger::repo::get_account(pool, id.as_str()).await? {
+            Some(a) if a.principal_id == Some(principal_id) && a.currency == currency.as_str() => {}
+            Some(_) => {
+                return Err(AdminError::AccountConflict { id: id.to_string() });
+            }
+            None => return Err(AdminError::UnsupportedCurrency(currency.to_string())),
+        }
+    }
+    Ok(id)
+}
+
+#[derive(Debug, Serialize)]
+pub struct Deposit {
+    pub transfer_id: Uuid,
+    pub account_id: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub reference: String,
+    /// True when this reference had already been deposited: nothing moved now.
+    pub already_posted: bool,
+}
+
+/// Deposits money into a customer account, from the funding account of its
+/// currency. The reference is the deposit's idempotency key: running the
+/// same deposit again (same reference) moves nothing.
+pub async fn deposit(
+    pool: &PgPool,
+    account: &str,
+    amount_minor: i64,
+    reference: &str,
+) -> Result<Deposit, AdminError> {
+    let account_id =
+        AccountId::parse(account).map_err(|e| AdminError::InvalidAccountId(e.to_string()))?;
+    let amount =
+        AmountMinor::parse(amount_minor).map_err(|e| AdminError::InvalidAmount(e.to_string()))?;
+    let target = ledger::repo::get_account(pool, account_id.as_str())
+        .await?
+        .ok_or_else(|| AdminError::UnknownAccount(account.to_owned()))?;
+    let currency = Currency::parse(&target.currency)
+        .map_err(|_| AdminError::UnsupportedCurrency(target.currency.clone()))?;
+    let funding = AccountId::funding(&currency);
+    let canonical = serde_json::json!({
+        "to": account_id.as_str(),
+        "amount_minor": amount.get(),
+        "currency": currency.as_str(),
+    });
+    let fingerprint = Fingerprint::compute("CLI", "deposit", canonical.to_string().as_bytes());
+    let request = PostingRequest {
+        principal_id: None,
+        idempotency_key: reference,
+        fingerprint: fingerprint.as_bytes(),
+        from: funding.as_str(),
+        to: account_id.as_str(),
+        amount,
+        currency: &currency,
+        description: None,
+    };
+    let mut tx = pool.begin().await?;
+    let outcome = ledger::repo::post_transfer(&mut tx, &request).await?;
+    tx.commit().await?;
+    let (transfer, already_posted): (Transfer, bool) = match outcome {
+        PostingOutcome::Posted(t) => (t, false),
+        PostingOutcome::AlreadyPosted(t)
+            if t.request_fingerprint.as_slice() == fingerprint.as_bytes() =>
+        {
+            (t, true)
+        }
+        PostingOutcome::AlreadyPosted(_) => {
+            return Err(AdminError::ReferenceReused(reference.to_owned()));
+        }
+        PostingOutcome::InsufficientFunds => {
+            return Err(AdminError::Ledger(
+                "the funding account refused the deposit".to_owned(),
+            ));
+        }
+    };
+    Ok(Deposit {
+        transfer_id: transfer.id,
+        account_id: transfer.to_account,
+        amount_minor: transfer.amount_minor,
+        currency: transfer.currency,
+        reference: reference.to_owned(),
+        already_posted,
+    })
+}
+
+/// The synthetic fixtures of the seed articles. Loading them twice changes
+/// nothing: principals and accounts are upserted and the opening deposits
+/// carry fixed references.
+pub struct DemoFixture {
+    pub principal: &'static str,
+    pub token: &'static str,
+    pub accounts: &'static [(&'static str, &'static str, i64)],
+}
+
+pub const DEMO_FIXTURES: &[DemoFixture] = &[
+    DemoFixture {
+        principal: "demo-a",
+        token: "tok_test_A",
+        accounts: &[
+            ("acc_00001", "USD", 100_000_000),
+            ("acc_00003", "EUR", 100_000_000),
+        ],
+    },
+    DemoFixture {
+        principal: "demo-b",
+        token: "tok_test_B",
+        accounts: &[("acc_00002", "USD", 0), ("acc_00004", "EUR", 0)],
+    },
+];
+
+pub async fn load_demo(pool: &PgPool) -> Result<(), AdminError> {
+    for fixture in DEMO_FIXTURES {
+        ensure_principal(pool, fixture.principal, fixture.token).await?;
+        for &(id, currency, opening_balance) in fixture.accounts {
+            open_account(pool, fixture.principal, currency, Some(id)).await?;
+            if opening_balance > 0 {
+                deposit(pool, id, opening_balance, &format!("demo-opening-{id}")).await?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! The command line: `serve`, `migrate`, `purge-expired` and the operator
+//! commands. Each prints a clear one-line error and exits non-zero on failure.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{CommandFactory, Parser, Subcommand};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::admin;
+use crate::config::{DbConfig, ServeConfig};
+use crate::db;
+use crate::http::{self, AppConfig, AppState};
+use crate::idempotency::store;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "nexo-transfers",
+    version,
+    about = "Money transfers that move effectively once"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub db: DbConfig,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the database if needed, migrate, and serve the HTTP API.
+    Serve(ServeConfig),
+    /// Apply pending migrations and exit.
+    Migrate,
+    /// Delete expired idempotency records and print how many.
+    PurgeExpired {
+        #[arg(long, env = "NEXO_PURGE_BATCH_ROWS", default_value_t = store::PURGE_BATCH_ROWS_MAX,
+              value_parser = clap::value_parser!(i64).range(1..=100_000))]
+        batch_rows: i64,
+    },
+    /// Create a principal and print its bearer token (shown only once).
+    CreatePrincipal {
+        #[arg(long)]
+        name: String,
+    },
+    /// Open an account for a principal in a currency.
+    OpenAccount {
+        /// The owning principal's name.
+        #[arg(long)]
+        owner: String,
+        /// ISO 4217 code, e.g. USD.
+        #[arg(long)]
+        currency: String,
+        /// The account id (acc_ and 1 to 40 letters or digits); generated if absent.
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// Deposit money into an account from its currency's funding account.
+    Deposit {
+        #[arg(long)]
+        account: String,
+        /// Integer amount in the currency's minor unit (cents).
+        #[arg(long)]
+        amount_minor: i64,
+        /// The deposit's idempotency key: the same reference never deposits twice.
+        #[arg(long)]
+        reference: Option<String>,
+    },
+}
+
+/// Parses the command line; on a bad value prints one line naming the
+/// setting (flag and environment variable) instead of clap's full report.
+pub fn parse() -> Result<Cli, ExitCode> {
+    Cli::try_parse().map_err(|e| {
+        use clap::error::{ContextKind, ErrorKind};
+        match e.kind() {
+            ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                let _ = e.print();
+                ExitCode::SUCCESS
+            }
+            ErrorKind::InvalidValue | ErrorKind::ValueValidation => {
+                let arg = e
+                    .get(ContextKind::InvalidArg)
+                    .map(ToString::to_string)
+                    .unwrap_or_default();
+                let first_line = e.to_string().lines().next().unwrap_or_default().to_owned();
+                match env_of(&arg) {
+                    Some(env) => eprintln!("{first_line} (setting {env})"),
+                    None => eprintln!("{first_line}"),
+                }
+                ExitCode::from(2)
+            }
+            _ => {
+                let _ = e.print();
+                ExitCode::from(2)
+            }
+        }
+    })
+}
+
+/// The environment variable behind a flag such as `--idempotency-ttl <DURATION>`.
+fn env_of(arg: &str) -> Option<String> {
+    let long = arg
+        .strip_prefix("--")?
+        .split_whitespace()
+        .next()?
+        .to_owned();
+    let command = Cli::command();
+    std::iter::once(&command)
+        .chain(command.get_subcommands())
+        .flat_map(|c| c.get_arguments())
+        .find(|a| a.get_long() == Some(long.as_str()))
+        .and_then(|a| a.get_env())
+        .map(|env| env.to_string_lossy().into_owned())
+}
+
+pub async fn run(cli: Cli) -> ExitCode {
+    match execute(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(db: &DbConfig) -> Result<PgPool, String> {
+    let pool = db::connect(db)
+        .await
+        .map_err(|e| format!("cannot connect to the database (DATABASE_URL): {e}"))?;
+    db::migrate(&pool)
+        .await
+        .map_err(|e| format!("cannot apply migrations: {e}"))?;
+    Ok(pool)
+}
+
+fn print_json(value: &impl serde::Serialize) {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => println!("{text}"),
+        Err(e) => eprintln!("error: cannot print the result: {e}"),
+    }
+}
+
+async fn execute(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Serve(config) => serve(&cli.db, config).await,
+        Command::Migrate => connect(&cli.db)
+            .await
+            .map(|_| println!("migrations applied")),
+        Command::PurgeExpired { batch_rows } => {
+            let pool = connect(&cli.db).await?;
+            let deleted = store::purge_expired(&pool, batch_rows)
+                .await
+                .map_err(|e| format!("purge failed: {e}"))?;
+            println!("purged {deleted} expired idempotency records");
+            Ok(())
+        }
+        Command::CreatePrincipal { name } => {
+            let pool = connect(&cli.db).await?;
+            let created = admin::create_principal(&pool, &name)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&created);
+            eprintln!("store the token now: only its SHA-256 is kept, it cannot be shown again");
+            Ok(())
+        }
+        Command::OpenAccount {
+            owner,
+            currency,
+            id,
+        } => {
+            let pool = connect(&cli.db).await?;
+            let account = admin::open_account(&pool, &owner, &currency, id.as_deref())
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&serde_json::json!({
+                "account_id": account.as_str(),
+                "owner": owner,
+                "currency": currency,
+            }));
+            Ok(())
+        }
+        Command::Deposit {
+            account,
+            amount_minor,
+            reference,
+        } => {
+            let pool = connect(&cli.db).await?;
+            let reference = reference.unwrap_or_else(|| format!("dep_{}", Uuid::new_v4()));
+            let deposit = admin::deposit(&pool, &account, amount_minor, &reference)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&deposit);
+            Ok(())
+        }
+    }
+}
+
+async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
+    let policy = config.idempotency.policy()?;
+    let pool = connect(db).await?;
+    if config.demo {
+        admin::load_demo(&pool)
+            .await
+            .map_err(|e| format!("cannot load the demo fixtures: {e}"))?;
+        tracing::warn!(
+            "demo fixtures loaded: the public tokens tok_test_A and tok_test_B are active; never run --demo in production"
+        );
+    }
+    let state = AppState::new(
+        pool.clone(),
+        AppConfig {
+            idempotency: policy,
+            http: config.http.clone(),
+        },
+    )
+    .await
+    .map_err(|e| format!("cannot read the supported currencies: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(config.bind)
+        .await
+        .map_err(|e| format!("cannot listen on {} (NEXO_BIND): {e}", config.bind))?;
+    let purge = (!config.purge.purge_interval.is_zero()).then(|| {
+        tokio::spawn(purge_periodically(
+            pool.clone(),
+            config.purge.purge_interval,
+            config.purge.purge_batch_rows,
+        ))
+    });
+    tracing::info!(addr = %config.bind, "listening");
+    let served = http::serve(listener, state, shutdown_signal())
+        .await
+        .map_err(|e| format!("server error: {e}"));
+    if let Some(task) = purge {
+        task.abort();
+    }
+    pool.close().await;
+    tracing::info!("stopped");
+    served
+}
+
+async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        match store::purge_expired(&pool, batch_rows).await {
+            Ok(0) => {}
+            Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
+            Err(e) => tracing::warn!(error = %e, "purge of expired idempotency records failed"),
+        }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM; the server then stops accepting and lets
+/// in-flight requests finish.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutdown signal received, finishing in-flight requests");
+}

@@ -1,0 +1,162 @@
+//! `GET /accounts/{account_id}` and its statement of entries.
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::Principal;
+use crate::ledger::{self, Account, AccountId};
+
+/// Entries per page when the client does not ask.
+pub const ENTRIES_PAGE_SIZE_DEFAULT: i64 = 50;
+/// The most entries one page may hold: bounds the query and the response.
+pub const ENTRIES_PAGE_SIZE_MAX: i64 = 200;
+
+#[derive(Serialize)]
+pub struct AccountView {
+    pub account_id: String,
+    pub currency: String,
+    pub balance_minor: i64,
+}
+
+#[derive(Serialize)]
+pub struct EntryView {
+    pub entry_id: i64,
+    pub transfer_id: Uuid,
+    pub direction: &'static str,
+    /// Signed: negative for a debit, positive for a credit.
+    pub amount_minor: i64,
+    pub currency: String,
+    pub balance_after_minor: i64,
+    pub created_at: String,
+}
+
+#[derive(Serialize)]
+pub struct EntriesPage {
+    pub entries: Vec<EntryView>,
+    /// Pass as `cursor` to get the next (older) page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EntriesQuery {
+    pub limit: Option<String>,
+    pub cursor: Option<String>,
+}
+
+/// The account, if it exists and belongs to the caller. Anything else is the
+/// same 404, so ids of other principals cannot be probed (BOLA).
+async fn owned_account(
+    state: &AppState,
+    principal: Principal,
+    account_id: &str,
+) -> Result<Account, ApiError> {
+    let id = AccountId::parse(account_id).map_err(|_| ApiError::NotFound)?;
+    ledger::repo::get_account(&state.pool, id.as_str())
+        .await?
+        .filter(|a| a.principal_id == Some(principal.id))
+        .ok_or(ApiError::NotFound)
+}
+
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+    Path(account_id): Path<String>,
+) -> Result<Json<AccountView>, ApiError> {
+    let account = owned_account(&state, principal, &account_id).await?;
+    Ok(Json(AccountView {
+        account_id: account.id,
+        currency: account.currency,
+        balance_minor: account.balance_minor,
+    }))
+}
+
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn entries(
+    State(state): State<AppState>,
+    principal: Principal,
+    Path(account_id): Path<String>,
+    query: Result<Query<EntriesQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<EntriesPage>, ApiError> {
+    let Query(query) = query.map_err(|_| {
+        ApiError::InvalidQuery("the accepted query parameters are limit and cursor".to_owned())
+    })?;
+    let limit = match query.limit.as_deref() {
+        None => ENTRIES_PAGE_SIZE_DEFAULT,
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=ENTRIES_PAGE_SIZE_MAX).contains(n))
+            .ok_or_else(|| {
+                ApiError::InvalidQuery(format!(
+                    "limit must be an integer from 1 to {ENTRIES_PAGE_SIZE_MAX}"
+                ))
+            })?,
+    };
+    let before = match query.cursor.as_deref() {
+        None => None,
+        Some(raw) => Some(decode_cursor(raw).ok_or_else(|| {
+            ApiError::InvalidQuery(
+                "cursor must be a next_cursor value from a previous page".to_owned(),
+            )
+        })?),
+    };
+    let account = owned_account(&state, principal, &account_id).await?;
+    // One extra row tells whether another page exists without a count.
+    let mut rows = ledger::repo::list_entries(&state.pool, &account.id, before, limit + 1).await?;
+    let has_more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    let next_cursor = has_more
+        .then(|| rows.last().map(|e| encode_cursor(e.id)))
+        .flatten();
+    Ok(Json(EntriesPage {
+        entries: rows
+            .into_iter()
+            .map(|e| EntryView {
+                entry_id: e.id,
+                transfer_id: e.transfer_id,
+                direction: if e.amount_minor < 0 {
+                    "debit"
+                } else {
+                    "credit"
+                },
+                amount_minor: e.amount_minor,
+                currency: e.currency,
+                balance_after_minor: e.balance_after_minor,
+                created_at: super::timestamp(e.created_at),
+            })
+            .collect(),
+        next_cursor,
+    }))
+}
+
+/// Cursors are opaque to clients: `e` and the last entry id seen. The prefix
+/// leaves room to change the scheme without misreading old cursors.
+fn encode_cursor(entry_id: i64) -> String {
+    format!("e{entry_id}")
+}
+
+fn decode_cursor(raw: &str) -> Option<i64> {
+    raw.strip_prefix('e')?
+        .parse::<i64>()
+        .ok()
+        .filter(|id| *id > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_reject_garbage() {
+        assert_eq!(decode_cursor(&encode_cursor(42)), Some(42));
+        for bad in ["", "42", "e", "e-1", "e0", "eabc", "e99999999999999999999"] {
+            assert_eq!(decode_cursor(bad), None, "{bad}");
+        }
+    }
+}

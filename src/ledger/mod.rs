@@ -1,0 +1,23 @@
+//! The double-entry ledger: accounts, transfers and their entries. Knows
+//! nothing of HTTP or of idempotency records; callers hand it a connection
+//! inside their transaction.
+
+pub mod money;
+pub mod repo;
+
+pub use money::{AccountId, AmountMinor, Currency, Description};
+pub use repo::{Account, Entry, PostingOutcome, PostingRequest, Transfer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("account {0} does not exist")]
+    AccountNotFound(String),
+    #[error("transfer currency {transfer} does not match account {account} ({account_currency})")]
+    CurrencyMismatch {
+        transfer: String,
+        account: String,
+        account_currency: String,
+    },
+    #[error("database error")]
+    Database(#[from] sqlx::Error),
+}

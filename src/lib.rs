@@ -1,0 +1,26 @@
+//! nexo-transfers: a REST API that moves money between accounts effectively
+//! once. A client may send the same transfer intent any number of times and
+//! the money moves once, with the same answer every time.
+//!
+//! Map of the modules, in the direction dependencies point:
+//!
+//! - [`http`]: routes, extractors, the problem+json error mapping and the
+//!   middleware stack. Builds the router ([`http::app`]) that tests mount.
+//! - [`idempotency`]: the `Idempotency-Key` header, request fingerprints, and
+//!   the store that claims keys insert-first and completes them, fenced,
+//!   inside the caller's transaction.
+//! - [`ledger`]: money types and the double-entry posting. Knows nothing of
+//!   HTTP or idempotency records.
+//! - [`admin`]: operator actions (principals, accounts, deposits, demo data).
+//! - [`auth`]: bearer tokens, stored only as SHA-256.
+//! - [`config`], [`db`], [`cli`]: settings, connection and migrations, and
+//!   the command line that `main.rs` hands over to.
+
+pub mod admin;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod db;
+pub mod http;
+pub mod idempotency;
+pub mod ledger;
