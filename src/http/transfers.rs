@@ -164,12 +164,7 @@ pub async fn create(
         },
     );
 
-    let operation = TransferOperation {
-        principal_id: principal.id,
-        key: key.clone(),
-        fingerprint,
-        intent,
-    };
+    let operation = TransferOperation::new(principal.id, key.clone(), intent);
     // The claimed work runs in its own task: if the client hangs up, hyper
     // drops this handler's future, but the posting still finishes and
     // completes the key instead of leaving it blocked for a whole lease.
@@ -257,11 +252,22 @@ async fn check_against_accounts(
 }
 
 /// One transfer intent, executed once under its claimed key.
-struct TransferOperation {
+pub struct TransferOperation {
     principal_id: Uuid,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
     intent: TransferIntent,
+}
+
+impl TransferOperation {
+    pub fn new(principal_id: Uuid, key: IdempotencyKey, intent: TransferIntent) -> Self {
+        Self {
+            principal_id,
+            fingerprint: intent.fingerprint(),
+            key,
+            intent,
+        }
+    }
 }
 
 impl Operation for TransferOperation {
@@ -289,7 +295,12 @@ impl Operation for TransferOperation {
             PostingOutcome::AlreadyPosted(transfer)
                 if transfer.request_fingerprint.as_slice() == self.fingerprint.as_bytes() =>
             {
-                created(&transfer)
+                let mut completion = created(&transfer);
+                completion
+                    .response
+                    .headers
+                    .push((IDEMPOTENT_REPLAYED.to_owned(), "true".to_owned()));
+                completion
             }
             PostingOutcome::AlreadyPosted(_) => Completion {
                 response: ApiError::IdempotencyKeyReused.to_stored(),
