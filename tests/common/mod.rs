@@ -4,6 +4,9 @@
 //! that read the ledger itself, not only HTTP statuses.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod process;
+pub mod proxy;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -167,8 +170,16 @@ impl Reply {
     /// Asserts a problem+json answer of this status and problem type slug.
     #[track_caller]
     pub fn assert_problem(&self, status: u16, slug: &str) {
-        assert_eq!(self.status, status, "body: {}", String::from_utf8_lossy(&self.body));
-        assert_eq!(self.header("content-type"), Some("application/problem+json"));
+        assert_eq!(
+            self.status,
+            status,
+            "body: {}",
+            String::from_utf8_lossy(&self.body)
+        );
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
         let problem = self.json();
         assert_eq!(
             problem["type"],
@@ -199,7 +210,11 @@ pub async fn balance(pool: &PgPool, account: &str) -> i64 {
 
 /// Transfers created by a principal's requests (deposits excluded).
 pub async fn customer_transfer_count(pool: &PgPool) -> i64 {
-    scalar(pool, "SELECT count(*) FROM transfers WHERE principal_id IS NOT NULL").await
+    scalar(
+        pool,
+        "SELECT count(*) FROM transfers WHERE principal_id IS NOT NULL",
+    )
+    .await
 }
 
 pub async fn entry_count(pool: &PgPool, account: &str) -> i64 {
@@ -211,11 +226,13 @@ pub async fn entry_count(pool: &PgPool, account: &str) -> i64 {
 }
 
 pub async fn key_rows(pool: &PgPool, key: &str) -> Vec<(String, Option<i16>)> {
-    sqlx::query_as("SELECT status, response_status FROM idempotency_keys WHERE idempotency_key = $1")
-        .bind(key)
-        .fetch_all(pool)
-        .await
-        .expect("key rows")
+    sqlx::query_as(
+        "SELECT status, response_status FROM idempotency_keys WHERE idempotency_key = $1",
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await
+    .expect("key rows")
 }
 
 pub async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
@@ -229,7 +246,6 @@ pub async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
 /// one debit and one credit of its amount, every balance equals the sum of
 /// its entries, each currency sums to zero, and no customer balance is
 /// negative.
-#[track_caller]
 pub async fn assert_ledger_consistent(pool: &PgPool) {
     let bad_transfers = scalar(
         pool,
@@ -241,7 +257,10 @@ pub async fn assert_ledger_consistent(pool: &PgPool) {
                            AND e.account_id = t.to_account AND e.amount_minor = t.amount_minor)",
     )
     .await;
-    assert_eq!(bad_transfers, 0, "transfers without exactly one debit and one credit");
+    assert_eq!(
+        bad_transfers, 0,
+        "transfers without exactly one debit and one credit"
+    );
     let drifted = scalar(
         pool,
         "SELECT count(*) FROM accounts a
@@ -249,14 +268,20 @@ pub async fn assert_ledger_consistent(pool: &PgPool) {
                                             WHERE e.account_id = a.id), 0)",
     )
     .await;
-    assert_eq!(drifted, 0, "balances that differ from the sum of their entries");
+    assert_eq!(
+        drifted, 0,
+        "balances that differ from the sum of their entries"
+    );
     let unbalanced = scalar(
         pool,
         "SELECT count(*) FROM (SELECT currency FROM accounts GROUP BY currency
                                HAVING sum(balance_minor) <> 0) c",
     )
     .await;
-    assert_eq!(unbalanced, 0, "currencies whose balances do not sum to zero");
+    assert_eq!(
+        unbalanced, 0,
+        "currencies whose balances do not sum to zero"
+    );
     let negative = scalar(
         pool,
         "SELECT count(*) FROM accounts WHERE balance_minor < 0 AND NOT allow_negative",

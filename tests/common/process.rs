@@ -1,0 +1,268 @@
+//! The real `nexo-transfers` binary as a child process, for the tests where
+//! the process itself must die (SIGKILL), stop (SIGTERM) or run several
+//! times against one database.
+
+use std::net::SocketAddr;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{self, Signal};
+use nix::unistd::Pid;
+use sqlx::PgPool;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::oneshot;
+
+use super::Reply;
+
+/// How long a child may take from spawn to listening: migrations and demo
+/// fixtures on a loaded 2-core CI machine take a few seconds at worst.
+pub const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Connections per child: several children and the rest of the suite share
+/// one PostgreSQL capped at 100 connections.
+pub const CHILD_POOL_MAX: &str = "4";
+
+/// The URL of the database behind `pool` (a `#[sqlx::test]` database), with
+/// the credentials and host of `DATABASE_URL`.
+pub fn database_url(pool: &PgPool) -> String {
+    let options = pool.connect_options();
+    let name = options
+        .get_database()
+        .expect("test pool names its database");
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for the tests");
+    let mut url = url::Url::parse(&base).expect("DATABASE_URL is a URL");
+    url.set_path(&format!("/{name}"));
+    url.to_string()
+}
+
+/// The same URL pointing at another port of the same host (a proxy).
+pub fn database_url_via(pool: &PgPool, port: u16) -> String {
+    let mut url = url::Url::parse(&database_url(pool)).expect("URL");
+    url.set_host(Some("127.0.0.1")).expect("host");
+    url.set_port(Some(port)).expect("port");
+    url.to_string()
+}
+
+/// One running `nexo-transfers serve --demo` on 127.0.0.1 and a port the
+/// kernel picked, read back from its `listening` log line.
+pub struct ServerProcess {
+    child: Child,
+    pub addr: SocketAddr,
+    pub base: String,
+    logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl ServerProcess {
+    /// Starts the binary with `DATABASE_URL` and extra environment, waits
+    /// until it listens. Logs are JSON lines, kept for inspection.
+    pub async fn start(database_url: &str, env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_nexo-transfers"));
+        command
+            .args(["serve", "--demo", "--bind", "127.0.0.1:0"])
+            .env("DATABASE_URL", database_url)
+            .env("NEXO_LOG_FORMAT", "json")
+            .env("NEXO_DB_POOL_MAX", CHILD_POOL_MAX)
+            .env_remove("FAILPOINTS")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let mut child = command.spawn().expect("the server binary starts");
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (addr_tx, addr_rx) = oneshot::channel::<SocketAddr>();
+        let sink = logs.clone();
+        tokio::spawn(async move {
+            let mut addr_tx = Some(addr_tx);
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(addr) = listening_addr(&line)
+                    && let Some(tx) = addr_tx.take()
+                {
+                    let _ = tx.send(addr);
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let addr = match tokio::time::timeout(START_TIMEOUT, addr_rx).await {
+            Ok(Ok(addr)) => addr,
+            _ => {
+                let _ = child.start_kill();
+                panic!(
+                    "the server did not start listening; its log:\n{}",
+                    logs.lock().unwrap().join("\n")
+                );
+            }
+        };
+        Self {
+            child,
+            addr,
+            base: format!("http://{addr}"),
+            logs,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.id().expect("the child is running") as i32)
+    }
+
+    /// SIGKILL: no shutdown, no flush, open transactions die with the socket.
+    pub async fn kill(mut self) -> Vec<String> {
+        self.child.start_kill().expect("SIGKILL sent");
+        self.child.wait().await.expect("the child is reaped");
+        self.logs()
+    }
+
+    /// SIGTERM: the graceful path.
+    pub fn terminate(&self) {
+        signal::kill(self.pid(), Signal::SIGTERM).expect("SIGTERM sent");
+    }
+
+    /// Waits for the process to exit by itself, at most `limit`.
+    pub async fn wait(&mut self, limit: Duration) -> ExitStatus {
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => status.expect("the child is reaped"),
+            Err(_) => panic!("the server did not exit within {limit:?}"),
+        }
+    }
+
+    /// Every log line written so far.
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().unwrap().clone()
+    }
+}
+
+fn listening_addr(line: &str) -> Option<SocketAddr> {
+    let value: serde_json::Value = serde_json::from_str(line).ok()?;
+    let fields = value.get("fields")?;
+    if fields.get("message")?.as_str()? != "listening" {
+        return None;
+    }
+    fields.get("addr")?.as_str()?.parse().ok()
+}
+
+/// A client for fault tests: no connection reuse (a killed server leaves
+/// dead pooled connections behind) and a bounded wait per request.
+pub fn fault_client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client")
+}
+
+/// `POST /transfers` that reports transport failures instead of panicking:
+/// in these tests a refused or cut connection is an expected outcome.
+pub async fn try_post_transfer(
+    client: &reqwest::Client,
+    base: &str,
+    token: &str,
+    key: &str,
+    body: &serde_json::Value,
+) -> Result<Reply, reqwest::Error> {
+    let response = client
+        .post(format!("{base}/transfers"))
+        .bearer_auth(token)
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.bytes().await?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// Sends the same intent (same key, same body) until it gets a definitive
+/// answer: a 409 waits its `Retry-After`, a 5xx or a transport failure a
+/// moment, as a well-behaved client would. Panics past `deadline`.
+pub async fn send_until_answered(
+    client: &reqwest::Client,
+    base: &str,
+    token: &str,
+    key: &str,
+    body: &serde_json::Value,
+    deadline: tokio::time::Instant,
+) -> Reply {
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "intent {key} got no definitive answer in time"
+        );
+        match try_post_transfer(client, base, token, key, body).await {
+            Ok(reply) if reply.status == 409 || reply.status >= 500 => {
+                let wait = reply
+                    .header("retry-after")
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(1);
+                tokio::time::sleep(Duration::from_secs(wait)).await;
+            }
+            Ok(reply) => return reply,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Idempotency records by status, for the figures the fault tests print.
+pub async fn key_status_counts(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT status, count(*) FROM idempotency_keys GROUP BY status ORDER BY status")
+        .fetch_all(pool)
+        .await
+        .expect("status counts")
+}
+
+/// Asserts that each key has exactly one customer transfer, that every
+/// answer seen for it names that transfer, that no other customer transfer
+/// exists, and that every record is COMPLETED with that transfer.
+pub async fn assert_each_intent_moved_once(pool: &PgPool, answers: &[(String, Vec<Reply>)]) {
+    let transfers: Vec<(String, uuid::Uuid)> =
+        sqlx::query_as("SELECT idempotency_key, id FROM transfers WHERE principal_id IS NOT NULL")
+            .fetch_all(pool)
+            .await
+            .expect("transfers");
+    let by_key: std::collections::HashMap<String, uuid::Uuid> = transfers.into_iter().collect();
+    assert_eq!(
+        by_key.len(),
+        answers.len(),
+        "customer transfers that no intent asked for, or intents without one"
+    );
+    for (key, replies) in answers {
+        let id = by_key
+            .get(key)
+            .unwrap_or_else(|| panic!("intent {key} has no transfer"));
+        assert!(!replies.is_empty(), "intent {key} was never answered");
+        for reply in replies {
+            assert_eq!(reply.status, 201, "intent {key}: {:?}", reply.body);
+            assert_eq!(
+                reply.json()["transfer_id"].as_str(),
+                Some(id.to_string().as_str()),
+                "an answer for {key} names another transfer"
+            );
+        }
+    }
+    let unfinished = super::scalar(
+        pool,
+        "SELECT count(*) FROM idempotency_keys k
+         WHERE k.status <> 'COMPLETED'
+            OR k.transfer_id IS DISTINCT FROM
+               (SELECT t.id FROM transfers t WHERE t.principal_id = k.principal_id
+                                              AND t.idempotency_key = k.idempotency_key)",
+    )
+    .await;
+    assert_eq!(unfinished, 0, "records not COMPLETED with their transfer");
+}
