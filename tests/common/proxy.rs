@@ -19,9 +19,9 @@ pub enum Behaviour {
     /// HTTP: delivers the request, reads the whole response from the server,
     /// keeps it, and closes the client's connection without sending it.
     DropResponse,
-    /// HTTP: delivers the request and closes both connections at once,
-    /// before the server can answer.
-    HangUpAfterRequest,
+    /// HTTP: delivers the request, waits this long and closes both
+    /// connections, before or while the server works on it.
+    HangUpAfterRequest(std::time::Duration),
 }
 
 pub struct TcpProxy {
@@ -155,10 +155,11 @@ async fn relay(
             }
             // Both sockets close here; the client never sees the answer.
         }
-        Behaviour::HangUpAfterRequest => {
+        Behaviour::HangUpAfterRequest(delay) => {
             if let Some(request) = read_http_message(&mut client).await {
                 let _ = server.write_all(&request).await;
                 let _ = server.flush().await;
+                tokio::time::sleep(delay).await;
             }
         }
     }
