@@ -266,3 +266,129 @@ pub async fn assert_each_intent_moved_once(pool: &PgPool, answers: &[(String, Ve
     .await;
     assert_eq!(unfinished, 0, "records not COMPLETED with their transfer");
 }
+
+/// One intent sent by a [`TransferStream`] and what came back the first time.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub key: String,
+    pub body: serde_json::Value,
+    pub amount: i64,
+    pub sent_at: tokio::time::Instant,
+    /// The first answer, or `None` when the connection failed.
+    pub first: Option<Reply>,
+    pub answered_at: Option<tokio::time::Instant>,
+}
+
+/// Concurrent clients that each send fresh intents (a new key each, A to B
+/// in USD, 1 to 100 cents) one after another to whatever server is current,
+/// recording every answer; bounded by an intent count.
+pub struct TransferStream {
+    target: Arc<std::sync::RwLock<Option<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<Vec<Sent>>>,
+}
+
+impl TransferStream {
+    pub fn start(base: &str, clients: usize, pace: Duration, intents_max: usize) -> Self {
+        use rand::Rng;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let target = Arc::new(std::sync::RwLock::new(Some(base.to_owned())));
+        let stop = Arc::new(AtomicBool::new(false));
+        let counter = Arc::new(AtomicUsize::new(0));
+        let clients = (0..clients)
+            .map(|_| {
+                let (target, stop, counter) = (target.clone(), stop.clone(), counter.clone());
+                tokio::spawn(async move {
+                    let client = fault_client(Duration::from_secs(30));
+                    let mut sent = Vec::new();
+                    while !stop.load(Ordering::SeqCst) {
+                        let Some(base) = target.read().unwrap().clone() else {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        };
+                        if counter.fetch_add(1, Ordering::SeqCst) >= intents_max {
+                            break;
+                        }
+                        let amount = rand::rng().random_range(1..=100);
+                        let (key, body) = (
+                            super::new_key(),
+                            super::transfer(super::A_USD, super::B_USD, amount, "USD"),
+                        );
+                        let sent_at = tokio::time::Instant::now();
+                        let first = try_post_transfer(&client, &base, super::TOKEN_A, &key, &body)
+                            .await
+                            .ok();
+                        let answered_at = first.as_ref().map(|_| tokio::time::Instant::now());
+                        sent.push(Sent {
+                            key,
+                            body,
+                            amount,
+                            sent_at,
+                            first,
+                            answered_at,
+                        });
+                        tokio::time::sleep(pace).await;
+                    }
+                    sent
+                })
+            })
+            .collect();
+        Self {
+            target,
+            stop,
+            clients,
+        }
+    }
+
+    /// New intents wait until [`retarget`](Self::retarget).
+    pub fn pause(&self) {
+        *self.target.write().unwrap() = None;
+    }
+
+    pub fn retarget(&self, base: &str) {
+        *self.target.write().unwrap() = Some(base.to_owned());
+    }
+
+    pub async fn stop(self) -> Vec<Sent> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut all = Vec::new();
+        for client in self.clients {
+            all.extend(client.await.expect("a stream client panicked"));
+        }
+        all
+    }
+}
+
+/// Sends every intent again until answered: an intent answered 201 before
+/// must replay those exact bytes, and one that got no answer, or a 5xx, must
+/// now get its one result. Returns every 201 seen per key, for
+/// [`assert_each_intent_moved_once`].
+pub async fn retry_all(sent: &[Sent], base: &str) -> Vec<(String, Vec<Reply>)> {
+    let client = fault_client(Duration::from_secs(30));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let retries =
+        futures::future::join_all(sent.iter().map(|s| {
+            send_until_answered(&client, base, super::TOKEN_A, &s.key, &s.body, deadline)
+        }))
+        .await;
+    sent.iter()
+        .zip(retries)
+        .map(|(s, retry)| {
+            let mut replies = vec![retry.clone()];
+            if let Some(first) = s.first.as_ref().filter(|r| r.status == 201) {
+                assert!(retry.replayed(), "{} executed twice", s.key);
+                assert_eq!(
+                    first.body, retry.body,
+                    "a replay differs from the first answer"
+                );
+                replies.push(first.clone());
+            }
+            (s.key.clone(), replies)
+        })
+        .collect()
+}
+
+/// Total amount of the intents, which is what must have moved A to B.
+pub fn total_amount(sent: &[Sent]) -> i64 {
+    sent.iter().map(|s| s.amount).sum()
+}
