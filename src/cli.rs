@@ -227,7 +227,10 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             config.purge.purge_batch_rows,
         ))
     });
-    tracing::info!(addr = %config.bind, "listening");
+    // The bound address, not the configured one: with port 0 (scripts that
+    // need a free port) this is the only place the real port is told.
+    let addr = listener.local_addr().unwrap_or(config.bind);
+    tracing::info!(addr = %addr, "listening");
     let served = http::serve(listener, state, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"));
