@@ -141,11 +141,19 @@ fn encode_cursor(entry_id: i64) -> String {
     format!("e{entry_id}")
 }
 
+/// Digits a cursor may carry. Entry ids are identities that never reach
+/// 10^18, and a bound in digits is a syntax `openapi.yaml` can state
+/// exactly (`^e[1-9][0-9]{0,17}$`), unlike the range of an i64.
+const CURSOR_DIGITS_MAX: usize = 18;
+
 /// Only the exact spelling `encode_cursor` produces: `e+5` or `e05` would
 /// parse as numbers, but no page ever issued them.
 fn decode_cursor(raw: &str) -> Option<i64> {
     let digits = raw.strip_prefix('e')?;
-    if digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    if digits.starts_with('0')
+        || digits.len() > CURSOR_DIGITS_MAX
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+    {
         return None;
     }
     digits.parse::<i64>().ok().filter(|id| *id > 0)
@@ -158,6 +166,8 @@ mod tests {
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
         assert_eq!(decode_cursor(&encode_cursor(42)), Some(42));
+        let longest = "9".repeat(CURSOR_DIGITS_MAX);
+        assert!(decode_cursor(&format!("e{longest}")).is_some());
         for bad in [
             "",
             "42",
@@ -166,6 +176,7 @@ mod tests {
             "e0",
             "eabc",
             "e99999999999999999999",
+            "e1000000000000000000",
             "e+5",
             "e05",
             " e5",
