@@ -1,6 +1,6 @@
 //! `POST /transfers` and `GET /transfers/{transfer_id}`.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::{ApiError, ValidationKind};
-use super::extract::{Principal, StrictJson};
+use super::extract::{PathParam, Principal, StrictJson};
 use crate::idempotency::{
     self, ClaimOutcome, Completion, ExecuteError, Fingerprint, IdempotencyKey, Operation,
     OperationError, Policy, Scope, StoredResponse,
@@ -435,7 +435,7 @@ pub fn stored_response(stored: StoredResponse, replayed: bool) -> Response {
 pub async fn get(
     State(state): State<AppState>,
     principal: Principal,
-    Path(transfer_id): Path<String>,
+    PathParam(transfer_id): PathParam,
 ) -> Result<Response, ApiError> {
     let id = Uuid::parse_str(&transfer_id).map_err(|_| ApiError::NotFound)?;
     let transfer = ledger::repo::get_transfer(&state.pool, id)
