@@ -4,6 +4,7 @@ pub mod accounts;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod operations;
 pub mod transfers;
 
 use std::collections::HashSet;
@@ -34,6 +35,7 @@ pub struct AppState {
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
+    pub operations: Arc<operations::Operations>,
 }
 
 #[derive(Debug, Clone)]
@@ -44,12 +46,21 @@ pub struct AppConfig {
 
 impl AppState {
     pub async fn new(pool: PgPool, config: AppConfig) -> Result<Self, sqlx::Error> {
+        // Before anything can count: events recorded earlier would be lost.
+        crate::telemetry::recorder();
         let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
         Ok(Self {
             pool,
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
+            operations: Arc::default(),
         })
+    }
+
+    /// The admin token and the scheduled reconciliation's result cell.
+    pub fn with_operations(mut self, operations: operations::Operations) -> Self {
+        self.operations = Arc::new(operations);
+        self
     }
 }
 
@@ -65,6 +76,8 @@ pub fn app(state: AppState) -> Router {
         .route("/accounts/{account_id}/entries", get(accounts::entries))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/metrics", get(operations::metrics))
+        .route("/admin/reconciliation", get(operations::reconciliation))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(
@@ -85,7 +98,8 @@ pub fn app(state: AppState) -> Router {
                         .make_span_with(make_request_span)
                         .on_response(log_response),
                 )
-                .layer(PropagateRequestIdLayer::new(X_REQUEST_ID)),
+                .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
+                .layer(middleware::from_fn(operations::track)),
         )
         .with_state(state)
 }
@@ -106,6 +120,8 @@ fn make_request_span(request: &Request) -> tracing::Span {
         route,
         request_id,
         principal_id = tracing::field::Empty,
+        idempotency_outcome = tracing::field::Empty,
+        transfer_id = tracing::field::Empty,
     )
 }
 
