@@ -15,7 +15,7 @@ use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
@@ -351,11 +351,14 @@ pub async fn run(pool: &PgPool, options: Options) -> Result<Report, sqlx::Error>
     let mut tx = pool
         .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         .await?;
-    // set_config(.., true) is SET LOCAL: it ends with the transaction.
-    sqlx::query("SELECT set_config('statement_timeout', $1, true)")
-        .bind(CHECK_STATEMENT_TIMEOUT.as_millis().to_string())
-        .execute(&mut *tx)
-        .await?;
+    // set_config(.., true) is SET LOCAL: it ends with the transaction. UTC,
+    // so the times quoted in discrepancies read the same on every server.
+    sqlx::query(
+        "SELECT set_config('statement_timeout', $1, true), set_config('TimeZone', 'UTC', true)",
+    )
+    .bind(CHECK_STATEMENT_TIMEOUT.as_millis().to_string())
+    .execute(&mut *tx)
+    .await?;
     let started_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
         .fetch_one(&mut *tx)
         .await?;
@@ -400,7 +403,7 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "reconciliation at {} ({} ms, key TTL {}s)",
-            crate::http::timestamp(self.started_at),
+            self.started_at.to_rfc3339_opts(SecondsFormat::Micros, true),
             self.duration_ms,
             self.key_ttl_secs
         )?;

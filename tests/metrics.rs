@@ -21,7 +21,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const ADMIN_TOKEN: &str = "adm_0123456789abcdef0123456789abcdef";
 
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
-async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: PgPool) {
+async fn a_replay_a_mismatch_a_conflict_and_a_takeover_are_each_counted(pool: PgPool) {
     let _turn = SERIAL.lock().await;
     let app = TestApp::spawn(pool).await;
     let before = app.metrics().await;
@@ -38,6 +38,23 @@ async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: Pg
     app.post_transfer(TOKEN_A, &held, &body)
         .await
         .assert_problem(409, "request-in-flight");
+    // A claim whose process died: past its lease, the retry takes it over.
+    let abandoned = new_key();
+    let retried = transfer(A_USD, B_USD, 125, "USD");
+    claim_for_a(&app.pool, &abandoned, &retried).await;
+    sqlx::query(
+        "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE idempotency_key = $1",
+    )
+    .bind(&abandoned)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        app.post_transfer(TOKEN_A, &abandoned, &retried)
+            .await
+            .status,
+        201
+    );
     app.post_beyond_balance().await;
     app.post_transfer(TOKEN_A, &new_key(), &transfer(A_USD, A_USD, 1, "USD"))
         .await
@@ -55,12 +72,13 @@ async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: Pg
     assert_eq!(outcome("replayed"), 1.0);
     assert_eq!(outcome("mismatch"), 1.0);
     assert_eq!(outcome("in_flight"), 1.0);
-    for none in ["taken_over", "failed", "fence_lost"] {
+    assert_eq!(outcome("taken_over"), 1.0);
+    for none in ["failed", "fence_lost"] {
         assert_eq!(outcome(none), 0.0, "{none}");
     }
     assert_eq!(
         after.delta(&before, "nexo_transfers_posted_total", &[]),
-        1.0
+        2.0
     );
     let rejected = |r| after.delta(&before, "nexo_transfers_rejected_total", &[("reason", r)]);
     assert_eq!(rejected("insufficient-funds"), 1.0);
@@ -77,7 +95,7 @@ async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: Pg
             ],
         )
     };
-    assert_eq!(requests("201"), 2.0, "the transfer and its replay");
+    assert_eq!(requests("201"), 3.0, "two transfers and a replay");
     assert_eq!(requests("422"), 3.0);
     assert_eq!(requests("409"), 1.0);
     let timed = after.delta(
@@ -85,7 +103,7 @@ async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: Pg
         "nexo_http_request_duration_seconds_count",
         &[("route", "/transfers"), ("status", "201")],
     );
-    assert_eq!(timed, 2.0);
+    assert_eq!(timed, 3.0);
     assert!(
         after
             .0
@@ -93,9 +111,9 @@ async fn a_replay_a_mismatch_and_an_in_flight_conflict_are_each_counted(pool: Pg
         "a true histogram with buckets"
     );
 
-    // The counters agree with the ledger: one posting moved the money.
-    assert_eq!(app.balance(B_USD).await, 250);
-    assert_eq!(customer_transfer_count(&app.pool).await, 1);
+    // The counters agree with the ledger: two postings moved the money.
+    assert_eq!(app.balance(B_USD).await, 250 + 125);
+    assert_eq!(customer_transfer_count(&app.pool).await, 2);
     assert_ledger_consistent(&app.pool).await;
 }
 
