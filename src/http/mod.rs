@@ -35,6 +35,7 @@ pub struct AppState {
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
+    /// The admin token's hash and the last scheduled reconciliation.
     pub operations: Arc<operations::Operations>,
 }
 
