@@ -1,7 +1,9 @@
-//! The command line: `serve`, `migrate`, `purge-expired` and the operator
-//! commands. Each prints a clear one-line error and exits non-zero on failure.
+//! The command line: `serve`, `migrate`, `purge-expired`, `reconcile` and
+//! the operator commands. Each prints a clear one-line error and exits
+//! non-zero on failure.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand};
@@ -11,8 +13,10 @@ use uuid::Uuid;
 use crate::admin;
 use crate::config::{DbConfig, ServeConfig};
 use crate::db;
+use crate::http::operations::Operations;
 use crate::http::{self, AppConfig, AppState};
 use crate::idempotency::store;
+use crate::reconcile;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -39,6 +43,10 @@ pub enum Command {
               value_parser = clap::value_parser!(i64).range(1..=100_000))]
         batch_rows: i64,
     },
+    /// Check that the ledger is whole and agrees with the idempotency
+    /// records. Exit status 0 when every check holds, 1 when discrepancies
+    /// were found (each listed), 2 when the checks could not run.
+    Reconcile(ReconcileArgs),
     /// Create a principal and print its bearer token (shown only once).
     CreatePrincipal {
         #[arg(long)]
@@ -67,6 +75,17 @@ pub enum Command {
         #[arg(long)]
         reference: Option<String>,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReconcileArgs {
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// The idempotency record TTL the server runs with: transfers younger
+    /// than this must still have their key's record.
+    #[arg(long, env = "NEXO_IDEMPOTENCY_TTL", default_value = "24h", value_parser = crate::config::parse_duration)]
+    pub idempotency_ttl: Duration,
 }
 
 /// Parses the command line; on a bad value prints one line naming the
@@ -116,6 +135,9 @@ fn env_of(arg: &str) -> Option<String> {
 }
 
 pub async fn run(cli: Cli) -> ExitCode {
+    if let Command::Reconcile(args) = &cli.command {
+        return reconcile_command(&cli.db, args).await;
+    }
     match execute(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
@@ -145,6 +167,11 @@ fn print_json(value: &impl serde::Serialize) {
 async fn execute(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Serve(config) => serve(&cli.db, config).await,
+        // `run` answers it: it has exit statuses of its own.
+        Command::Reconcile(ref args) => match reconcile_command(&cli.db, args).await {
+            code if code == ExitCode::SUCCESS => Ok(()),
+            _ => Err("reconciliation did not pass".to_owned()),
+        },
         Command::Migrate => connect(&cli.db)
             .await
             .map(|_| println!("migrations applied")),
@@ -208,6 +235,12 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             "demo fixtures loaded: the public tokens tok_test_A and tok_test_B are active; never run --demo in production"
         );
     }
+    let reconcile_every = config.operations.reconcile_every()?;
+    let last_reconciliation = Arc::new(reconcile::LastRunCell::new(reconcile_every));
+    let operations = Operations::new(
+        config.operations.admin_token.as_deref(),
+        last_reconciliation.clone(),
+    )?;
     let state = AppState::new(
         pool.clone(),
         AppConfig {
@@ -216,7 +249,8 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
         },
     )
     .await
-    .map_err(|e| format!("cannot read the supported currencies: {e}"))?;
+    .map_err(|e| format!("cannot read the supported currencies: {e}"))?
+    .with_operations(operations);
     let listener = tokio::net::TcpListener::bind(config.bind)
         .await
         .map_err(|e| format!("cannot listen on {} (NEXO_BIND): {e}", config.bind))?;
@@ -227,6 +261,23 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             config.purge.purge_batch_rows,
         ))
     });
+    let reconciliation = match reconcile_every {
+        Some(every) => {
+            let reconcile_pool = reconcile::connect(&db.database_url, db.db_acquire_timeout, false)
+                .await
+                .map_err(|e| format!("invalid DATABASE_URL: {e}"))?;
+            let options = reconcile::Options {
+                key_ttl: policy.ttl,
+            };
+            Some(tokio::spawn(reconcile::run_periodically(
+                reconcile_pool,
+                every,
+                options,
+                last_reconciliation,
+            )))
+        }
+        None => None,
+    };
     // The bound address, not the configured one: with port 0 the kernel
     // picks the port, and whoever started the process reads it here.
     let addr = listener.local_addr().unwrap_or(config.bind);
@@ -234,12 +285,46 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let served = http::serve(listener, state, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"));
-    if let Some(task) = purge {
+    for task in [purge, reconciliation].into_iter().flatten() {
         task.abort();
     }
     pool.close().await;
     tracing::info!("stopped");
     served
+}
+
+/// A single read-only snapshot, without creating the database or migrating
+/// it: a check must not change what it checks.
+async fn reconcile_command(db: &DbConfig, args: &ReconcileArgs) -> ExitCode {
+    const COULD_NOT_RUN: u8 = 2;
+    let pool = match reconcile::connect(&db.database_url, db.db_acquire_timeout, true).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            eprintln!("error: cannot connect to the database (DATABASE_URL): {e}");
+            return ExitCode::from(COULD_NOT_RUN);
+        }
+    };
+    let options = reconcile::Options {
+        key_ttl: args.idempotency_ttl,
+    };
+    let report = match reconcile::run(&pool, options).await {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: the reconciliation could not run: {e}");
+            return ExitCode::from(COULD_NOT_RUN);
+        }
+    };
+    pool.close().await;
+    if args.json {
+        print_json(&report);
+    } else {
+        println!("{report}");
+    }
+    if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {

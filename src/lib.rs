@@ -15,6 +15,9 @@
 //! - [`auth`]: bearer tokens, stored only as SHA-256.
 //! - [`config`], [`db`], [`cli`]: settings, connection and migrations, and
 //!   the command line that `main.rs` hands over to.
+//! - [`reconcile`]: whole-ledger checks that money and idempotency records
+//!   agree, for `nexo-transfers reconcile` and the server's schedule.
+//! - [`telemetry`]: the Prometheus metrics catalogue and recorder.
 
 pub mod admin;
 pub mod auth;
@@ -24,3 +27,5 @@ pub mod db;
 pub mod http;
 pub mod idempotency;
 pub mod ledger;
+pub mod reconcile;
+pub mod telemetry;

@@ -279,6 +279,9 @@ impl From<KeyError> for ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
+        if matches!(e, sqlx::Error::PoolTimedOut) {
+            crate::telemetry::pool_acquire_timeout();
+        }
         if is_unavailable(&e) {
             tracing::warn!(error = %e, "database unavailable");
             Self::ServiceUnavailable

@@ -21,15 +21,7 @@ impl FromRequestParts<AppState> for Principal {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
-        let (Some(value), None) = (values.next(), values.next()) else {
-            return Err(ApiError::Unauthorized);
-        };
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(auth::bearer_token)
-            .ok_or(ApiError::Unauthorized)?;
+        let token = bearer(parts)?;
         let id = auth::principal_for_token(&state.pool, token)
             .await?
             .ok_or(ApiError::Unauthorized)?;
@@ -37,6 +29,20 @@ impl FromRequestParts<AppState> for Principal {
         parts.extensions.insert(Principal { id });
         Ok(Principal { id })
     }
+}
+
+/// The token of the one `Authorization: Bearer` header; none, several or a
+/// malformed one is a 401.
+pub fn bearer(parts: &Parts) -> Result<&str, ApiError> {
+    let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(ApiError::Unauthorized);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(auth::bearer_token)
+        .ok_or(ApiError::Unauthorized)
 }
 
 impl FromRequestParts<AppState> for IdempotencyKey {

@@ -5,6 +5,7 @@ pub mod docs;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod operations;
 pub mod transfers;
 
 use std::collections::HashSet;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
+    /// The admin token's hash and the last scheduled reconciliation.
+    pub operations: Arc<operations::Operations>,
 }
 
 #[derive(Debug, Clone)]
@@ -45,12 +48,21 @@ pub struct AppConfig {
 
 impl AppState {
     pub async fn new(pool: PgPool, config: AppConfig) -> Result<Self, sqlx::Error> {
+        // Before anything can count: events recorded earlier would be lost.
+        crate::telemetry::recorder();
         let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
         Ok(Self {
             pool,
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
+            operations: Arc::default(),
         })
+    }
+
+    /// The admin token and the scheduled reconciliation's result cell.
+    pub fn with_operations(mut self, operations: operations::Operations) -> Self {
+        self.operations = Arc::new(operations);
+        self
     }
 }
 
@@ -69,6 +81,8 @@ pub fn app(state: AppState) -> Router {
         .route("/openapi.yaml", get(docs::openapi))
         .route("/docs", get(docs::page))
         .route("/docs/{asset}", get(docs::asset))
+        .route("/metrics", get(operations::metrics))
+        .route("/admin/reconciliation", get(operations::reconciliation))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(
@@ -89,7 +103,8 @@ pub fn app(state: AppState) -> Router {
                         .make_span_with(make_request_span)
                         .on_response(log_response),
                 )
-                .layer(PropagateRequestIdLayer::new(X_REQUEST_ID)),
+                .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
+                .layer(middleware::from_fn(operations::track)),
         )
         .with_state(state)
 }
@@ -110,6 +125,8 @@ fn make_request_span(request: &Request) -> tracing::Span {
         route,
         request_id,
         principal_id = tracing::field::Empty,
+        idempotency_outcome = tracing::field::Empty,
+        transfer_id = tracing::field::Empty,
     )
 }
 

@@ -1,5 +1,7 @@
 //! `POST /transfers` and `GET /transfers/{transfer_id}`.
 
+use std::sync::Mutex;
+
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -20,6 +22,7 @@ use crate::ledger::{
     self, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
     PostingRequest, Transfer,
 };
+use crate::telemetry;
 
 /// The route template that enters the fingerprint.
 pub const ROUTE: &str = "/transfers";
@@ -114,18 +117,19 @@ impl TransferIntent {
     }
 }
 
-#[tracing::instrument(
-    skip_all,
-    fields(principal_id = %principal.id, idempotency_outcome, transfer_id)
-)]
+/// Records its fields on the request's span (`principal_id` from the
+/// extractor, `idempotency_outcome`, `transfer_id`), so the one line logged
+/// per request carries them all.
 pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
     key: IdempotencyKey,
     StrictJson(body): StrictJson<TransferBody>,
 ) -> Result<Response, ApiError> {
-    let intent = TransferIntent::parse(&body)?;
-    check_against_accounts(&state, principal, &intent).await?;
+    let intent = TransferIntent::parse(&body).inspect_err(count_rejection)?;
+    check_against_accounts(&state, principal, &intent)
+        .await
+        .inspect_err(count_rejection)?;
     let operation = TransferOperation::new(principal.id, key, intent);
     // The claim and the work it starts run in a task of their own. If the
     // client hangs up, hyper drops this handler's future; were the claim
@@ -139,32 +143,29 @@ pub async fn create(
     let handled = match task.await {
         Ok(handled) => handled?,
         Err(join_error) => {
-            span.record("idempotency_outcome", "failed");
+            record_outcome(&span, "failed");
             tracing::error!(error = %join_error, "transfer task did not finish");
             return Err(ApiError::Internal);
         }
     };
     let (took_over, result) = match handled {
         Handled::Replay(stored) => {
-            span.record("idempotency_outcome", "replayed");
+            record_outcome(&span, "replayed");
             return Ok(stored_response(stored, true));
         }
         Handled::Mismatch => {
-            span.record("idempotency_outcome", "mismatch");
+            record_outcome(&span, "mismatch");
             return Err(ApiError::IdempotencyKeyReused);
         }
         Handled::InFlight => {
-            span.record("idempotency_outcome", "in_flight");
+            record_outcome(&span, "in_flight");
             return Err(ApiError::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             });
         }
         Handled::Executed { took_over, result } => (took_over, result),
     };
-    span.record(
-        "idempotency_outcome",
-        if took_over { "taken_over" } else { "claimed" },
-    );
+    record_outcome(&span, if took_over { "taken_over" } else { "claimed" });
     match result {
         Ok(completion) => {
             if let Some(id) = completion.transfer_id {
@@ -175,17 +176,17 @@ pub async fn create(
             Ok(stored_response(completion.response, false))
         }
         Err(ExecuteError::FenceLost) => {
-            span.record("idempotency_outcome", "fence_lost");
+            record_outcome(&span, "fence_lost");
             Err(ApiError::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             })
         }
         Err(ExecuteError::Database(e)) => {
-            span.record("idempotency_outcome", "failed");
+            record_outcome(&span, "failed");
             Err(ApiError::from(e))
         }
         Err(ExecuteError::Invariant(message)) => {
-            span.record("idempotency_outcome", "failed");
+            record_outcome(&span, "failed");
             tracing::error!(%message, "transfer broke an invariant");
             Err(ApiError::Internal)
         }
@@ -231,6 +232,20 @@ async fn claim_and_execute(
         took_over: claim.took_over,
         result,
     })
+}
+
+/// The idempotency outcome, on the request span and in the metrics.
+fn record_outcome(span: &tracing::Span, outcome: &'static str) {
+    span.record("idempotency_outcome", outcome);
+    telemetry::idempotency_outcome(outcome);
+}
+
+/// A request refused before its key was claimed; server errors are not
+/// rejections.
+fn count_rejection(error: &ApiError) {
+    if error.status().is_client_error() {
+        telemetry::transfer_rejected(error.slug());
+    }
 }
 
 /// What a 409 tells the client to wait: a posting takes milliseconds, so one
@@ -290,6 +305,27 @@ pub struct TransferOperation {
     key: IdempotencyKey,
     fingerprint: Fingerprint,
     intent: TransferIntent,
+    /// What the latest attempt decided, counted once its transaction
+    /// committed (a rolled-back attempt moved nothing). A std Mutex: it is
+    /// never held across an await.
+    decision: Mutex<Option<Decision>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Decision {
+    Posted,
+    /// A late retry found its transfer: nothing new moved.
+    AlreadyPosted,
+    Rejected(&'static str),
+}
+
+impl TransferOperation {
+    fn decide(&self, decision: Decision) {
+        match self.decision.lock() {
+            Ok(mut guard) => *guard = Some(decision),
+            Err(poisoned) => *poisoned.into_inner() = Some(decision),
+        }
+    }
 }
 
 impl TransferOperation {
@@ -299,6 +335,7 @@ impl TransferOperation {
             fingerprint: intent.fingerprint(),
             key,
             intent,
+            decision: Mutex::new(None),
         }
     }
 }
@@ -322,12 +359,16 @@ impl Operation for TransferOperation {
                 other => OperationError::Invariant(other.to_string()),
             })?;
         Ok(match outcome {
-            PostingOutcome::Posted(transfer) => created(&transfer),
+            PostingOutcome::Posted(transfer) => {
+                self.decide(Decision::Posted);
+                created(&transfer)
+            }
             // The record of this key was purged and the client retried late:
             // the transfer renders to the same bytes it was first answered with.
             PostingOutcome::AlreadyPosted(transfer)
                 if transfer.request_fingerprint.as_slice() == self.fingerprint.as_bytes() =>
             {
+                self.decide(Decision::AlreadyPosted);
                 let mut completion = created(&transfer);
                 completion
                     .response
@@ -335,15 +376,30 @@ impl Operation for TransferOperation {
                     .push((IDEMPOTENT_REPLAYED.to_owned(), "true".to_owned()));
                 completion
             }
-            PostingOutcome::AlreadyPosted(_) => Completion {
-                response: ApiError::IdempotencyKeyReused.to_stored(),
-                transfer_id: None,
-            },
-            PostingOutcome::InsufficientFunds => Completion {
-                response: ApiError::InsufficientFunds.to_stored(),
-                transfer_id: None,
-            },
+            PostingOutcome::AlreadyPosted(_) => rejected(self, ApiError::IdempotencyKeyReused),
+            PostingOutcome::InsufficientFunds => rejected(self, ApiError::InsufficientFunds),
         })
+    }
+
+    fn committed(&self) {
+        let decision = match self.decision.lock() {
+            Ok(guard) => *guard,
+            Err(poisoned) => *poisoned.into_inner(),
+        };
+        match decision {
+            Some(Decision::Posted) => telemetry::transfer_posted(),
+            Some(Decision::Rejected(reason)) => telemetry::transfer_rejected(reason),
+            Some(Decision::AlreadyPosted) | None => {}
+        }
+    }
+}
+
+/// A business rejection, stored and replayed like a success.
+fn rejected(operation: &TransferOperation, error: ApiError) -> Completion {
+    operation.decide(Decision::Rejected(error.slug()));
+    Completion {
+        response: error.to_stored(),
+        transfer_id: None,
     }
 }
 

@@ -33,6 +33,10 @@ pub trait Operation: Send + Sync + 'static {
         &'c self,
         conn: &'c mut PgConnection,
     ) -> impl Future<Output = Result<Completion, OperationError>> + Send + 'c;
+
+    /// Called once the transaction that completed the key has committed, so
+    /// effects outside the database (metrics) follow only work that stuck.
+    fn committed(&self) {}
 }
 
 /// Why an operation could not produce a response to store.
@@ -85,6 +89,9 @@ pub async fn execute<O: Operation>(
             other => break other,
         }
     };
+    if outcome.is_ok() {
+        operation.committed();
+    }
     if let Err(e) = &outcome
         && !matches!(e, ExecuteError::FenceLost)
         && let Err(mark_error) = store::mark_failed(pool, claim).await

@@ -286,6 +286,12 @@ pub const PURGE_BATCH_ROWS_MAX: i64 = 1_000;
 /// left; returns how many it deleted.
 #[tracing::instrument(skip(pool))]
 pub async fn purge_expired(pool: &PgPool, batch_rows: i64) -> Result<u64, sqlx::Error> {
+    let result = purge_batches(pool, batch_rows).await;
+    crate::telemetry::purge(&result);
+    result
+}
+
+async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<u64, sqlx::Error> {
     let mut total = 0;
     loop {
         let deleted = sqlx::query(

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nexo_transfers::config::HttpConfig;
+use nexo_transfers::http::operations::Operations;
 use nexo_transfers::http::{AppConfig, AppState};
 use nexo_transfers::idempotency::Policy;
 use serde_json::{Value, json};
@@ -55,10 +56,25 @@ impl TestApp {
     }
 
     pub async fn spawn_with(pool: PgPool, policy: Policy, http: HttpConfig) -> Self {
+        Self::spawn_configured(pool, policy, http, None).await
+    }
+
+    /// With the operator side set: an admin token and the cell the
+    /// scheduled reconciliation writes to.
+    pub async fn spawn_with_operations(pool: PgPool, operations: Operations) -> Self {
+        Self::spawn_configured(pool, default_policy(), default_http(), Some(operations)).await
+    }
+
+    async fn spawn_configured(
+        pool: PgPool,
+        policy: Policy,
+        http: HttpConfig,
+        operations: Option<Operations>,
+    ) -> Self {
         nexo_transfers::admin::load_demo(&pool)
             .await
             .expect("demo fixtures load");
-        let state = AppState::new(
+        let mut state = AppState::new(
             pool.clone(),
             AppConfig {
                 idempotency: policy,
@@ -67,6 +83,9 @@ impl TestApp {
         )
         .await
         .expect("state builds");
+        if let Some(operations) = operations {
+            state = state.with_operations(operations);
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -124,6 +143,97 @@ impl TestApp {
     pub async fn balance(&self, account: &str) -> i64 {
         balance(&self.pool, account).await
     }
+
+    /// A transfer of ten times A's opening balance: refused, and stored as
+    /// refused under its key.
+    pub async fn post_beyond_balance(&self) {
+        let body = transfer(A_USD, B_USD, OPENING_BALANCE * 10, "USD");
+        self.post_transfer(TOKEN_A, &new_key(), &body)
+            .await
+            .assert_problem(422, "insufficient-funds");
+    }
+
+    /// `GET /metrics`, parsed.
+    pub async fn metrics(&self) -> Metrics {
+        let response = self
+            .client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics scraped");
+        assert_eq!(response.status(), 200);
+        Metrics(response.text().await.expect("metrics read"))
+    }
+}
+
+/// A Prometheus text exposition. The recorder is global to the test
+/// process, so tests compare two scrapes rather than read absolute values.
+#[derive(Debug, Clone)]
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// The sum of every series of `name` whose labels include all of
+    /// `labels`; 0 when there is none.
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.0
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| line.rsplit_once(' '))
+            .filter(|(series, _)| {
+                let (series_name, series_labels) = series
+                    .split_once('{')
+                    .map_or((*series, ""), |(n, l)| (n, l.trim_end_matches('}')));
+                series_name == name
+                    && labels.iter().all(|(k, v)| {
+                        series_labels
+                            .split(',')
+                            .any(|l| l == format!("{k}=\"{v}\""))
+                    })
+            })
+            .map(|(_, value)| value.parse::<f64>().expect("a metric value"))
+            .sum()
+    }
+
+    /// How much `name{labels}` grew since `before`.
+    pub fn delta(&self, before: &Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.value(name, labels) - before.value(name, labels)
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.0
+            .lines()
+            .any(|line| line.starts_with(name) && !line.starts_with('#'))
+    }
+}
+
+/// Claims `key` for principal A with `body`'s fingerprint, as a request
+/// that is still running (or whose process died) would hold it.
+pub async fn claim_for_a(pool: &PgPool, key: &str, body: &Value) {
+    use nexo_transfers::http::transfers::{TransferBody, TransferIntent};
+    use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, Scope, store};
+    let body: TransferBody = serde_json::from_value(body.clone()).expect("a transfer body");
+    let outcome = store::claim(
+        pool,
+        default_policy(),
+        Scope(principal_a(pool).await),
+        &IdempotencyKey::from_inner(key.to_owned()).expect("a valid key"),
+        "POST",
+        "/transfers",
+        &TransferIntent::parse(&body)
+            .expect("a valid transfer")
+            .fingerprint(),
+    )
+    .await
+    .expect("claim");
+    assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
+}
+
+/// Principal A's id (the idempotency scope of `TOKEN_A`).
+pub async fn principal_a(pool: &PgPool) -> uuid::Uuid {
+    nexo_transfers::auth::principal_for_token(pool, TOKEN_A)
+        .await
+        .expect("principal lookup")
+        .expect("principal A exists")
 }
 
 impl Drop for TestApp {

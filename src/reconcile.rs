@@ -1,0 +1,561 @@
+//! Reconciliation: checks, on the rows themselves, that the ledger is whole
+//! and that the idempotency records agree with it, and reports every
+//! discrepancy with the ids to look at, what was expected and what was found.
+//!
+//! Every check is one set-based statement (joins and aggregates the planner
+//! runs as a few sequential or index scans), never a row-by-row loop, so its
+//! cost grows linearly with the ledger (measured in `docs/operations.md`).
+//! All checks read one snapshot (`REPEATABLE READ READ ONLY`): a transfer
+//! committed while the check runs is seen whole or not at all, so a busy
+//! ledger never shows a balance that is "off" by an in-flight posting.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::Serialize;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+/// Discrepancies listed per check; all of them are still counted. Enough to
+/// start an investigation, small enough that a ledger broken in a million
+/// places still prints a readable report and a bounded JSON document.
+pub const DISCREPANCIES_LISTED_MAX: i64 = 20;
+
+/// Longest a single check may run before the reconciliation gives up (and
+/// reports that it could not run). Measured at about a second per check on a
+/// million transfers; the bound stops a pathological plan from holding a
+/// snapshot, and so vacuum, back for hours.
+pub const CHECK_STATEMENT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// What to reconcile against.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// The idempotency record TTL the server runs with
+    /// (`NEXO_IDEMPOTENCY_TTL`): a transfer younger than this must still
+    /// have the record of the key it was created through.
+    pub key_ttl: Duration,
+}
+
+/// The invariants checked, in the order they run and are reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Check {
+    /// Each transfer has exactly two entries: one debit of its amount on its
+    /// source and one credit of its amount on its destination.
+    TransferEntries,
+    /// Each account's balance equals the sum of its entries.
+    AccountBalances,
+    /// The balances of each currency, funding accounts included, sum to zero.
+    CurrencyTotals,
+    /// No idempotency key maps to more than one transfer: no two transfers
+    /// share a (principal, key), and no key record points at a transfer
+    /// created under another key.
+    KeyTransfers,
+    /// A COMPLETED key whose stored response is a success names a transfer
+    /// that exists.
+    CompletedKeyTransfer,
+    /// A transfer created through a key younger than the TTL still has that
+    /// key's record.
+    TransferKeyRecord,
+    /// No key is still IN_PROGRESS after its lease ended.
+    KeysStuckInProgress,
+}
+
+impl Check {
+    pub const ALL: [Check; 7] = [
+        Check::TransferEntries,
+        Check::AccountBalances,
+        Check::CurrencyTotals,
+        Check::KeyTransfers,
+        Check::CompletedKeyTransfer,
+        Check::TransferKeyRecord,
+        Check::KeysStuckInProgress,
+    ];
+
+    /// The stable name used in reports and as the `check` metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::TransferEntries => "transfer_entries",
+            Check::AccountBalances => "account_balances",
+            Check::CurrencyTotals => "currency_totals",
+            Check::KeyTransfers => "key_transfers",
+            Check::CompletedKeyTransfer => "completed_key_transfer",
+            Check::TransferKeyRecord => "transfer_key_record",
+            Check::KeysStuckInProgress => "keys_stuck_in_progress",
+        }
+    }
+
+    pub fn description(self) -> &'static str {
+        match self {
+            Check::TransferEntries => {
+                "every transfer has exactly one debit and one credit of its amount"
+            }
+            Check::AccountBalances => "every account balance equals the sum of its entries",
+            Check::CurrencyTotals => {
+                "the balances of each currency sum to zero (funding accounts included)"
+            }
+            Check::KeyTransfers => "no idempotency key maps to more than one transfer",
+            Check::CompletedKeyTransfer => {
+                "every COMPLETED key that stored a success names an existing transfer"
+            }
+            Check::TransferKeyRecord => {
+                "every transfer created through a key within the TTL still has its key record"
+            }
+            Check::KeysStuckInProgress => "no key is IN_PROGRESS past its lease",
+        }
+    }
+
+    /// The names of the ids each of this check's discrepancies carries, in
+    /// the order its query returns them.
+    fn id_names(self) -> &'static [&'static str] {
+        match self {
+            Check::TransferEntries => &["transfer_id"],
+            Check::AccountBalances => &["account_id"],
+            Check::CurrencyTotals => &["currency"],
+            Check::KeyTransfers | Check::CompletedKeyTransfer | Check::KeysStuckInProgress => {
+                &["principal_id", "idempotency_key"]
+            }
+            Check::TransferKeyRecord => &["transfer_id", "principal_id", "idempotency_key"],
+        }
+    }
+
+    /// One statement per check. `$1` is the number of discrepancies to list;
+    /// [`Check::TransferKeyRecord`] also takes `$2`, the key TTL in seconds. Each returns, per listed discrepancy, the
+    /// total number found (a window count taken before the LIMIT), its ids,
+    /// what was expected and what was found.
+    fn sql(self) -> &'static str {
+        match self {
+            // Cheap counts over the join find the bad transfers; only the
+            // listed ones are then described entry by entry.
+            Check::TransferEntries => {
+                "WITH bad AS (
+                     SELECT t.id, t.from_account, t.to_account, t.amount_minor
+                     FROM transfers t
+                     LEFT JOIN ledger_entries e ON e.transfer_id = t.id
+                     GROUP BY t.id
+                     HAVING count(e.id) <> 2
+                         OR count(e.id) FILTER (WHERE e.account_id = t.from_account
+                                                  AND e.amount_minor = -t.amount_minor) <> 1
+                         OR count(e.id) FILTER (WHERE e.account_id = t.to_account
+                                                  AND e.amount_minor = t.amount_minor) <> 1
+                 ), listed AS (
+                     SELECT bad.*, count(*) OVER () AS total FROM bad ORDER BY id LIMIT $1
+                 )
+                 SELECT l.total,
+                        ARRAY[l.id::text] AS ids,
+                        format('a debit of %s on %s and a credit of %s on %s',
+                               -l.amount_minor, l.from_account, l.amount_minor, l.to_account) AS expected,
+                        (SELECT format('%s entries: %s', count(*),
+                                       COALESCE(string_agg(format('%s on %s (entry %s)',
+                                                                  e.amount_minor, e.account_id, e.id),
+                                                           ', ' ORDER BY e.id), 'none'))
+                         FROM ledger_entries e WHERE e.transfer_id = l.id) AS found
+                 FROM listed l
+                 ORDER BY l.id"
+            }
+            // MATERIALIZED: inlined, the sums would be read through the
+            // (account_id, id) index to serve the ORDER BY, a random heap
+            // read per entry (5 s instead of 0.7 s on a million transfers).
+            Check::AccountBalances => {
+                "WITH sums AS MATERIALIZED (
+                     SELECT account_id, sum(amount_minor) AS total
+                     FROM ledger_entries GROUP BY account_id
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[a.id] AS ids,
+                        format('balance %s (the sum of its entries)', COALESCE(s.total, 0)) AS expected,
+                        format('balance %s', a.balance_minor) AS found
+                 FROM accounts a
+                 LEFT JOIN sums s ON s.account_id = a.id
+                 WHERE a.balance_minor <> COALESCE(s.total, 0)
+                 ORDER BY a.id
+                 LIMIT $1"
+            }
+            Check::CurrencyTotals => {
+                "SELECT count(*) OVER () AS total,
+                        ARRAY[currency] AS ids,
+                        'balances summing to 0' AS expected,
+                        format('balances summing to %s over %s accounts',
+                               sum(balance_minor), count(*)) AS found
+                 FROM accounts
+                 GROUP BY currency
+                 HAVING sum(balance_minor) <> 0
+                 ORDER BY currency
+                 LIMIT $1"
+            }
+            // As for transfer entries: counting finds the bad keys, and only
+            // the listed ones are described.
+            Check::KeyTransfers => {
+                "WITH bad AS (
+                     SELECT principal_id, idempotency_key, NULL::uuid AS record_transfer_id
+                     FROM transfers
+                     GROUP BY principal_id, idempotency_key
+                     HAVING count(*) > 1
+                     UNION ALL
+                     SELECT k.principal_id, k.idempotency_key, k.transfer_id
+                     FROM idempotency_keys k
+                     JOIN transfers t ON t.id = k.transfer_id
+                     WHERE t.principal_id IS DISTINCT FROM k.principal_id
+                        OR t.idempotency_key <> k.idempotency_key
+                 ), listed AS (
+                     SELECT bad.*, count(*) OVER () AS total
+                     FROM bad ORDER BY principal_id, idempotency_key LIMIT $1
+                 )
+                 SELECT l.total,
+                        ARRAY[COALESCE(l.principal_id::text, 'none (deposits)'), l.idempotency_key] AS ids,
+                        CASE WHEN l.record_transfer_id IS NULL THEN 'one transfer'
+                             ELSE 'its record to name the transfer created under this key' END AS expected,
+                        CASE WHEN l.record_transfer_id IS NULL THEN
+                                 (SELECT format('%s transfers: %s', count(*),
+                                                string_agg(t.id::text, ', ' ORDER BY t.id))
+                                  FROM transfers t
+                                  WHERE t.principal_id IS NOT DISTINCT FROM l.principal_id
+                                    AND t.idempotency_key = l.idempotency_key)
+                             ELSE
+                                 (SELECT format('its record names transfer %s, created under principal %s and key %s',
+                                                t.id, COALESCE(t.principal_id::text, 'none (a deposit)'),
+                                                t.idempotency_key)
+                                  FROM transfers t WHERE t.id = l.record_transfer_id) END AS found
+                 FROM listed l
+                 ORDER BY l.principal_id, l.idempotency_key"
+            }
+            Check::CompletedKeyTransfer => {
+                "SELECT count(*) OVER () AS total,
+                        ARRAY[k.principal_id::text, k.idempotency_key] AS ids,
+                        CASE WHEN k.transfer_id IS NULL
+                             THEN 'the id of the transfer its success created'
+                             ELSE format('transfer %s', k.transfer_id) END AS expected,
+                        CASE WHEN k.transfer_id IS NULL
+                             THEN format('status %s stored without a transfer id', k.response_status)
+                             ELSE format('no such transfer (status %s stored)', k.response_status) END AS found
+                 FROM idempotency_keys k
+                 LEFT JOIN transfers t ON t.id = k.transfer_id
+                 WHERE k.status = 'COMPLETED'
+                   AND k.response_status BETWEEN 200 AND 299
+                   AND t.id IS NULL
+                 ORDER BY k.principal_id, k.idempotency_key
+                 LIMIT $1"
+            }
+            Check::TransferKeyRecord => {
+                "SELECT count(*) OVER () AS total,
+                        ARRAY[t.id::text, t.principal_id::text, t.idempotency_key] AS ids,
+                        'the idempotency record of its key' AS expected,
+                        format('no record; the transfer was created at %s, within the key TTL',
+                               t.created_at) AS found
+                 FROM transfers t
+                 WHERE t.principal_id IS NOT NULL
+                   AND t.created_at > now() - make_interval(secs => $2)
+                   AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
+                                   WHERE k.principal_id = t.principal_id
+                                     AND k.idempotency_key = t.idempotency_key)
+                 ORDER BY t.created_at, t.id
+                 LIMIT $1"
+            }
+            Check::KeysStuckInProgress => {
+                "SELECT count(*) OVER () AS total,
+                        ARRAY[principal_id::text, idempotency_key] AS ids,
+                        'COMPLETED or FAILED by the end of its lease' AS expected,
+                        format('IN_PROGRESS, lease ended at %s (%s ago)', locked_until,
+                               date_trunc('second', now() - locked_until)) AS found
+                 FROM idempotency_keys
+                 WHERE status = 'IN_PROGRESS' AND locked_until < now()
+                 ORDER BY locked_until, principal_id, idempotency_key
+                 LIMIT $1"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One thing that does not hold: which rows, what should be there, what is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Discrepancy {
+    pub ids: BTreeMap<&'static str, String>,
+    pub expected: String,
+    pub found: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckReport {
+    pub check: Check,
+    pub description: &'static str,
+    /// Every discrepancy found, listed or not.
+    pub discrepancies_total: u64,
+    /// At most [`DISCREPANCIES_LISTED_MAX`], in a stable order.
+    pub discrepancies: Vec<Discrepancy>,
+}
+
+impl CheckReport {
+    pub fn holds(&self) -> bool {
+        self.discrepancies_total == 0
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// True when every check holds.
+    pub ok: bool,
+    /// The database's clock when the snapshot was taken.
+    pub started_at: DateTime<Utc>,
+    pub duration_ms: u64,
+    pub key_ttl_secs: u64,
+    pub discrepancies_listed_max: i64,
+    pub checks: Vec<CheckReport>,
+}
+
+impl Report {
+    pub fn discrepancies_total(&self) -> u64 {
+        self.checks.iter().map(|c| c.discrepancies_total).sum()
+    }
+
+    pub fn check(&self, check: Check) -> Option<&CheckReport> {
+        self.checks.iter().find(|c| c.check == check)
+    }
+}
+
+/// The reconciliation's own single connection, apart from the API's pool: a
+/// run holds it for seconds, which would otherwise be a request's
+/// connection. Its statements are slow by design, so sqlx's slow-statement
+/// warnings are off for it; each check's time is logged at debug instead.
+/// `eager` connects now (the command line reports a failure at once); the
+/// server connects at its first run.
+pub async fn connect(
+    database_url: &str,
+    acquire_timeout: Duration,
+    eager: bool,
+) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(database_url)?.disable_statement_logging();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(acquire_timeout);
+    if eager {
+        pool.connect_with(options).await
+    } else {
+        Ok(pool.connect_lazy_with(options))
+    }
+}
+
+/// Runs every check on one read-only snapshot.
+#[tracing::instrument(skip_all, fields(key_ttl_secs = options.key_ttl.as_secs()))]
+pub async fn run(pool: &PgPool, options: Options) -> Result<Report, sqlx::Error> {
+    let clock = Instant::now();
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .await?;
+    // set_config(.., true) is SET LOCAL: it ends with the transaction. UTC,
+    // so the times quoted in discrepancies read the same on every server.
+    sqlx::query(
+        "SELECT set_config('statement_timeout', $1, true), set_config('TimeZone', 'UTC', true)",
+    )
+    .bind(CHECK_STATEMENT_TIMEOUT.as_millis().to_string())
+    .execute(&mut *tx)
+    .await?;
+    let started_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut *tx)
+        .await?;
+    let mut checks = Vec::with_capacity(Check::ALL.len());
+    for check in Check::ALL {
+        let check_clock = Instant::now();
+        let mut query = sqlx::query_as(check.sql()).bind(DISCREPANCIES_LISTED_MAX);
+        if check == Check::TransferKeyRecord {
+            query = query.bind(options.key_ttl.as_secs_f64());
+        }
+        let rows: Vec<(i64, Vec<String>, String, String)> = query.fetch_all(&mut *tx).await?;
+        let total = rows.first().map_or(0, |row| row.0);
+        tracing::debug!(%check, found = total, elapsed_ms = check_clock.elapsed().as_millis() as u64, "check ran");
+        checks.push(CheckReport {
+            check,
+            description: check.description(),
+            discrepancies_total: u64::try_from(total).unwrap_or(0),
+            discrepancies: rows
+                .into_iter()
+                .map(|(_, ids, expected, found)| Discrepancy {
+                    ids: check.id_names().iter().copied().zip(ids).collect(),
+                    expected,
+                    found,
+                })
+                .collect(),
+        });
+    }
+    tx.rollback().await?;
+    Ok(Report {
+        ok: checks.iter().all(CheckReport::holds),
+        started_at,
+        duration_ms: u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX),
+        key_ttl_secs: options.key_ttl.as_secs(),
+        discrepancies_listed_max: DISCREPANCIES_LISTED_MAX,
+        checks,
+    })
+}
+
+impl fmt::Display for Report {
+    /// The human report: one line per check, then each listed discrepancy.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "reconciliation at {} ({} ms, key TTL {}s)",
+            self.started_at.to_rfc3339_opts(SecondsFormat::Micros, true),
+            self.duration_ms,
+            self.key_ttl_secs
+        )?;
+        for check in &self.checks {
+            let verdict = if check.holds() { "ok  " } else { "FAIL" };
+            write!(
+                f,
+                "{verdict} {:<24} {}",
+                check.check.name(),
+                check.description
+            )?;
+            if check.holds() {
+                writeln!(f)?;
+                continue;
+            }
+            writeln!(f, ": {} found", check.discrepancies_total)?;
+            for d in &check.discrepancies {
+                let ids: Vec<String> = check
+                    .check
+                    .id_names()
+                    .iter()
+                    .filter_map(|name| d.ids.get(name).map(|v| format!("{name}={v}")))
+                    .collect();
+                writeln!(f, "     {}", ids.join(" "))?;
+                writeln!(f, "       expected: {}", d.expected)?;
+                writeln!(f, "       found:    {}", d.found)?;
+            }
+            let unlisted = check.discrepancies_total - check.discrepancies.len() as u64;
+            if unlisted > 0 {
+                writeln!(f, "     … and {unlisted} more not listed")?;
+            }
+        }
+        if self.ok {
+            write!(f, "all checks hold")
+        } else {
+            write!(f, "{} discrepancies found", self.discrepancies_total())
+        }
+    }
+}
+
+/// The outcome of the server's last scheduled reconciliation.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum LastRun {
+    /// Not run yet since start-up, or scheduling is off.
+    NeverRun { scheduled_every_secs: Option<u64> },
+    Completed {
+        scheduled_every_secs: Option<u64>,
+        report: Arc<Report>,
+    },
+    /// The checks could not run (database away, timeout); the previous
+    /// completed report, if any, is kept alongside.
+    Failed {
+        scheduled_every_secs: Option<u64>,
+        at: DateTime<Utc>,
+        error: String,
+        previous: Option<Arc<Report>>,
+    },
+}
+
+/// Where the scheduled run leaves its result for the admin endpoint. A std
+/// RwLock: it is held only to clone or swap an `Arc`, never across an await.
+#[derive(Debug)]
+pub struct LastRunCell {
+    every: Option<Duration>,
+    last: RwLock<LastRun>,
+}
+
+impl Default for LastRunCell {
+    fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+impl LastRunCell {
+    pub fn new(every: Option<Duration>) -> Self {
+        let scheduled_every_secs = every.map(|d| d.as_secs());
+        Self {
+            every,
+            last: RwLock::new(LastRun::NeverRun {
+                scheduled_every_secs,
+            }),
+        }
+    }
+
+    pub fn get(&self) -> LastRun {
+        match self.last.read() {
+            Ok(guard) => guard.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn record(&self, result: Result<Report, sqlx::Error>) {
+        let scheduled_every_secs = self.every.map(|d| d.as_secs());
+        let mut guard = match self.last.write() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let previous = match &*guard {
+            LastRun::Completed { report, .. } => Some(report.clone()),
+            LastRun::Failed { previous, .. } => previous.clone(),
+            LastRun::NeverRun { .. } => None,
+        };
+        *guard = match result {
+            Ok(report) => LastRun::Completed {
+                scheduled_every_secs,
+                report: Arc::new(report),
+            },
+            Err(e) => LastRun::Failed {
+                scheduled_every_secs,
+                at: Utc::now(),
+                error: e.to_string(),
+                previous,
+            },
+        };
+    }
+}
+
+/// Runs the reconciliation every `every`, logs and meters each result, and
+/// leaves it in `cell`. The first run starts one interval after start-up, so
+/// a fleet restarting together does not scan the ledger all at once.
+pub async fn run_periodically(
+    pool: PgPool,
+    every: Duration,
+    options: Options,
+    cell: Arc<LastRunCell>,
+) {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let result = run(&pool, options).await;
+        crate::telemetry::reconciliation(&result);
+        match &result {
+            Ok(report) if report.ok => {
+                tracing::info!(
+                    duration_ms = report.duration_ms,
+                    "reconciliation: all checks hold"
+                );
+            }
+            Ok(report) => {
+                for check in report.checks.iter().filter(|c| !c.holds()) {
+                    tracing::error!(
+                        check = check.check.name(),
+                        found = check.discrepancies_total,
+                        first = ?check.discrepancies.first(),
+                        "reconciliation found discrepancies"
+                    );
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "reconciliation could not run"),
+        }
+        cell.record(result);
+    }
+}

@@ -1,0 +1,289 @@
+//! Prometheus metrics: their names, the process-wide recorder, and one
+//! function per thing worth counting, so call sites stay one line and the
+//! whole catalogue (described in `docs/operations.md`) is in this file.
+//!
+//! Label values come only from closed sets (route templates, status codes,
+//! outcome and problem names, check names): never a key, an id or a token,
+//! so the number of series stays bounded whatever clients send.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use axum::http::Method;
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+
+use crate::reconcile::{Check, Report};
+
+pub const HTTP_REQUESTS_TOTAL: &str = "nexo_http_requests_total";
+pub const HTTP_REQUEST_DURATION_SECONDS: &str = "nexo_http_request_duration_seconds";
+pub const IDEMPOTENCY_OUTCOMES_TOTAL: &str = "nexo_idempotency_outcomes_total";
+pub const TRANSFERS_POSTED_TOTAL: &str = "nexo_transfers_posted_total";
+pub const TRANSFERS_REJECTED_TOTAL: &str = "nexo_transfers_rejected_total";
+pub const DB_POOL_CONNECTIONS: &str = "nexo_db_pool_connections";
+pub const DB_POOL_MAX_CONNECTIONS: &str = "nexo_db_pool_max_connections";
+pub const DB_POOL_ACQUIRE_TIMEOUTS_TOTAL: &str = "nexo_db_pool_acquire_timeouts_total";
+pub const PURGE_RUNS_TOTAL: &str = "nexo_idempotency_purge_runs_total";
+pub const PURGED_KEYS_TOTAL: &str = "nexo_idempotency_keys_purged_total";
+pub const RECONCILE_RUNS_TOTAL: &str = "nexo_reconcile_runs_total";
+pub const RECONCILE_LAST_RUN_TIMESTAMP_SECONDS: &str = "nexo_reconcile_last_run_timestamp_seconds";
+pub const RECONCILE_LAST_RUN_DURATION_SECONDS: &str = "nexo_reconcile_last_run_duration_seconds";
+pub const RECONCILE_LAST_RUN_DISCREPANCIES: &str = "nexo_reconcile_last_run_discrepancies";
+
+/// Every metric this process exports; `docs/operations.md` describes each.
+pub const METRICS: [&str; 14] = [
+    HTTP_REQUESTS_TOTAL,
+    HTTP_REQUEST_DURATION_SECONDS,
+    IDEMPOTENCY_OUTCOMES_TOTAL,
+    TRANSFERS_POSTED_TOTAL,
+    TRANSFERS_REJECTED_TOTAL,
+    DB_POOL_CONNECTIONS,
+    DB_POOL_MAX_CONNECTIONS,
+    DB_POOL_ACQUIRE_TIMEOUTS_TOTAL,
+    PURGE_RUNS_TOTAL,
+    PURGED_KEYS_TOTAL,
+    RECONCILE_RUNS_TOTAL,
+    RECONCILE_LAST_RUN_TIMESTAMP_SECONDS,
+    RECONCILE_LAST_RUN_DURATION_SECONDS,
+    RECONCILE_LAST_RUN_DISCREPANCIES,
+];
+
+/// Every idempotency outcome the transfer handler records: the result of
+/// the claim (`claimed`, `taken_over`, `replayed`, `mismatch`, `in_flight`)
+/// and, after a claim, an execution that did not complete the key
+/// (`failed`, `fence_lost`).
+pub const IDEMPOTENCY_OUTCOMES: [&str; 7] = [
+    "claimed",
+    "taken_over",
+    "replayed",
+    "mismatch",
+    "in_flight",
+    "failed",
+    "fence_lost",
+];
+
+/// Request latency buckets, in seconds: from a replay's millisecond to the
+/// 10 s default request timeout, dense where postings land (5 to 50 ms).
+const HTTP_DURATION_BUCKETS_SECONDS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// How often histogram samples are folded into their buckets when nobody
+/// scrapes; without it they would pile up in memory between scrapes.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// The process-wide recorder, installed on first use. A process has one
+/// global recorder, but tests serve many apps in one process: they all share
+/// it, and a test reads differences between two scrapes. `None` when some
+/// other recorder was installed first; `/metrics` then answers 503.
+pub fn recorder() -> Option<&'static PrometheusHandle> {
+    RECORDER.get_or_init(install).as_ref()
+}
+
+fn install() -> Option<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(HTTP_REQUEST_DURATION_SECONDS.to_owned()),
+            &HTTP_DURATION_BUCKETS_SECONDS,
+        )
+        .and_then(PrometheusBuilder::install_recorder);
+    let handle = match handle {
+        Ok(handle) => handle,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install the metrics recorder; /metrics is off");
+            return None;
+        }
+    };
+    let upkeep = handle.clone();
+    // A plain thread, not a task: it must outlive any one Tokio runtime.
+    let spawned = std::thread::Builder::new()
+        .name("metrics-upkeep".to_owned())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(UPKEEP_INTERVAL);
+                upkeep.run_upkeep();
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no metrics upkeep thread; histograms fold in at each scrape");
+    }
+    describe();
+    Some(handle)
+}
+
+/// HELP lines, and a zero for every series an alert or a rate may need
+/// before its first event (a missing series is not a zero in PromQL).
+fn describe() {
+    describe_counter!(
+        HTTP_REQUESTS_TOTAL,
+        Unit::Count,
+        "HTTP requests answered, by method, route template and status"
+    );
+    describe_histogram!(
+        HTTP_REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time to answer an HTTP request, by method, route template and status"
+    );
+    describe_counter!(
+        IDEMPOTENCY_OUTCOMES_TOTAL,
+        Unit::Count,
+        "POST /transfers idempotency outcomes: claim results and executions that did not complete"
+    );
+    describe_counter!(
+        TRANSFERS_POSTED_TOTAL,
+        Unit::Count,
+        "Transfers committed to the ledger (money moved)"
+    );
+    describe_counter!(
+        TRANSFERS_REJECTED_TOTAL,
+        Unit::Count,
+        "Transfer requests refused, by problem type"
+    );
+    describe_gauge!(
+        DB_POOL_CONNECTIONS,
+        Unit::Count,
+        "Database pool connections by state (in_use, idle), sampled at each scrape"
+    );
+    describe_gauge!(
+        DB_POOL_MAX_CONNECTIONS,
+        Unit::Count,
+        "Most connections the database pool opens (NEXO_DB_POOL_MAX)"
+    );
+    describe_counter!(
+        DB_POOL_ACQUIRE_TIMEOUTS_TOTAL,
+        Unit::Count,
+        "Requests that waited NEXO_DB_ACQUIRE_TIMEOUT for a connection and got a 503"
+    );
+    describe_counter!(
+        PURGE_RUNS_TOTAL,
+        Unit::Count,
+        "Purges of expired idempotency records, by result"
+    );
+    describe_counter!(
+        PURGED_KEYS_TOTAL,
+        Unit::Count,
+        "Expired idempotency records deleted"
+    );
+    describe_counter!(
+        RECONCILE_RUNS_TOTAL,
+        Unit::Count,
+        "Scheduled reconciliations, by result (ok, discrepancies, error)"
+    );
+    describe_gauge!(
+        RECONCILE_LAST_RUN_TIMESTAMP_SECONDS,
+        Unit::Seconds,
+        "Unix time at which the last completed reconciliation took its snapshot"
+    );
+    describe_gauge!(
+        RECONCILE_LAST_RUN_DURATION_SECONDS,
+        Unit::Seconds,
+        "How long the last completed reconciliation took"
+    );
+    describe_gauge!(
+        RECONCILE_LAST_RUN_DISCREPANCIES,
+        Unit::Count,
+        "Discrepancies the last completed reconciliation found, by check"
+    );
+
+    for outcome in IDEMPOTENCY_OUTCOMES {
+        counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).absolute(0);
+    }
+    counter!(TRANSFERS_POSTED_TOTAL).absolute(0);
+    counter!(DB_POOL_ACQUIRE_TIMEOUTS_TOTAL).absolute(0);
+    for result in ["ok", "error"] {
+        counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
+    }
+    counter!(PURGED_KEYS_TOTAL).absolute(0);
+    for result in ["ok", "discrepancies", "error"] {
+        counter!(RECONCILE_RUNS_TOTAL, "result" => result).absolute(0);
+    }
+}
+
+/// Methods outside the standard set become `other`: a client may send any
+/// token as a method, and each would otherwise be a new series.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+/// One answered request. `route` is a route template (or `unmatched`).
+pub fn http_request(method: &Method, route: &str, status: u16, latency: Duration) {
+    let labels = [
+        ("method", method_label(method).to_owned()),
+        ("route", route.to_owned()),
+        ("status", status.to_string()),
+    ];
+    counter!(HTTP_REQUESTS_TOTAL, &labels).increment(1);
+    histogram!(HTTP_REQUEST_DURATION_SECONDS, &labels).record(latency.as_secs_f64());
+}
+
+/// One of [`IDEMPOTENCY_OUTCOMES`].
+pub fn idempotency_outcome(outcome: &'static str) {
+    counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).increment(1);
+}
+
+pub fn transfer_posted() {
+    counter!(TRANSFERS_POSTED_TOTAL).increment(1);
+}
+
+/// `reason` is a problem type slug: a closed set.
+pub fn transfer_rejected(reason: &'static str) {
+    counter!(TRANSFERS_REJECTED_TOTAL, "reason" => reason).increment(1);
+}
+
+pub fn pool_acquire_timeout() {
+    counter!(DB_POOL_ACQUIRE_TIMEOUTS_TOTAL).increment(1);
+}
+
+/// Samples the pool. sqlx does not expose how many tasks wait for a
+/// connection: `in_use` at the maximum is saturation, and the acquire
+/// timeouts counter counts the waits that gave up.
+pub fn sample_pool(pool: &PgPool) {
+    let size = pool.size();
+    let idle = u32::try_from(pool.num_idle()).unwrap_or(size).min(size);
+    gauge!(DB_POOL_CONNECTIONS, "state" => "in_use").set(f64::from(size - idle));
+    gauge!(DB_POOL_CONNECTIONS, "state" => "idle").set(f64::from(idle));
+    gauge!(DB_POOL_MAX_CONNECTIONS).set(f64::from(pool.options().get_max_connections()));
+}
+
+pub fn purge(result: &Result<u64, sqlx::Error>) {
+    match result {
+        Ok(deleted) => {
+            counter!(PURGE_RUNS_TOTAL, "result" => "ok").increment(1);
+            counter!(PURGED_KEYS_TOTAL).increment(*deleted);
+        }
+        Err(_) => counter!(PURGE_RUNS_TOTAL, "result" => "error").increment(1),
+    }
+}
+
+pub fn reconciliation(result: &Result<Report, sqlx::Error>) {
+    let report = match result {
+        Ok(report) => report,
+        Err(_) => {
+            counter!(RECONCILE_RUNS_TOTAL, "result" => "error").increment(1);
+            return;
+        }
+    };
+    let verdict = if report.ok { "ok" } else { "discrepancies" };
+    counter!(RECONCILE_RUNS_TOTAL, "result" => verdict).increment(1);
+    gauge!(RECONCILE_LAST_RUN_TIMESTAMP_SECONDS)
+        .set(report.started_at.timestamp_micros() as f64 / 1e6);
+    gauge!(RECONCILE_LAST_RUN_DURATION_SECONDS).set(report.duration_ms as f64 / 1e3);
+    for check in Check::ALL {
+        let found = report.check(check).map_or(0, |c| c.discrepancies_total);
+        gauge!(RECONCILE_LAST_RUN_DISCREPANCIES, "check" => check.name()).set(found as f64);
+    }
+}
