@@ -227,10 +227,10 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             config.purge.purge_batch_rows,
         ))
     });
-    // The bound address, not the configured one: with port 0 (scripts that
-    // need a free port) this is the only place the real port is told.
+    // The bound address, not the configured one: with port 0 the kernel
+    // picks the port, and whoever started the process reads it here.
     let addr = listener.local_addr().unwrap_or(config.bind);
-    tracing::info!(addr = %addr, "listening");
+    tracing::info!(%addr, "listening");
     let served = http::serve(listener, state, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"));

@@ -5,6 +5,10 @@ use tracing_subscriber::EnvFilter;
 #[tokio::main]
 async fn main() -> ExitCode {
     init_tracing();
+    // Fault tests pick fail points through the FAILPOINTS environment
+    // variable; the feature that compiles them in is for tests only.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     match nexo_transfers::cli::parse() {
         Ok(cli) => nexo_transfers::cli::run(cli).await,
         Err(code) => code,

@@ -5,7 +5,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use super::AppState;
@@ -13,7 +14,7 @@ use super::error::{ApiError, ValidationKind};
 use super::extract::{PathParam, Principal, StrictJson};
 use crate::idempotency::{
     self, ClaimOutcome, Completion, ExecuteError, Fingerprint, IdempotencyKey, Operation,
-    OperationError, Scope, StoredResponse,
+    OperationError, Policy, Scope, StoredResponse,
 };
 use crate::ledger::{
     self, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
@@ -125,79 +126,111 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let intent = TransferIntent::parse(&body)?;
     check_against_accounts(&state, principal, &intent).await?;
-    let fingerprint = intent.fingerprint();
-
-    let outcome = idempotency::store::claim(
-        &state.pool,
-        state.config.idempotency,
-        Scope(principal.id),
-        &key,
-        "POST",
-        ROUTE,
-        &fingerprint,
-    )
-    .await?;
+    let operation = TransferOperation::new(principal.id, key, intent);
+    // The claim and the work it starts run in a task of their own. If the
+    // client hangs up, hyper drops this handler's future; were the claim
+    // awaited here, a claim committed just before that would be left
+    // IN_PROGRESS and block its key for a whole lease (the hang-up test in
+    // tests/lost_response.rs saw 2 to 4 in 20). The task always finishes:
+    // it completes the key, or marks it FAILED.
+    let (pool, policy) = (state.pool.clone(), state.config.idempotency);
+    let task = tokio::spawn(claim_and_execute(pool, policy, operation).in_current_span());
     let span = tracing::Span::current();
-    let claim = match outcome {
-        ClaimOutcome::Replay(stored) => {
+    let handled = match task.await {
+        Ok(handled) => handled?,
+        Err(join_error) => {
+            span.record("idempotency_outcome", "failed");
+            tracing::error!(error = %join_error, "transfer task did not finish");
+            return Err(ApiError::Internal);
+        }
+    };
+    let (took_over, result) = match handled {
+        Handled::Replay(stored) => {
             span.record("idempotency_outcome", "replayed");
             return Ok(stored_response(stored, true));
         }
-        ClaimOutcome::Mismatch => {
+        Handled::Mismatch => {
             span.record("idempotency_outcome", "mismatch");
             return Err(ApiError::IdempotencyKeyReused);
         }
-        ClaimOutcome::InFlight { .. } => {
+        Handled::InFlight => {
             span.record("idempotency_outcome", "in_flight");
             return Err(ApiError::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             });
         }
-        ClaimOutcome::Claimed(claim) => claim,
+        Handled::Executed { took_over, result } => (took_over, result),
     };
     span.record(
         "idempotency_outcome",
-        if claim.took_over {
-            "taken_over"
-        } else {
-            "claimed"
-        },
+        if took_over { "taken_over" } else { "claimed" },
     );
-
-    let operation = TransferOperation::new(principal.id, key.clone(), intent);
-    // The claimed work runs in its own task: if the client hangs up, hyper
-    // drops this handler's future, but the posting still finishes and
-    // completes the key instead of leaving it blocked for a whole lease.
-    let pool = state.pool.clone();
-    let task = tokio::spawn(async move { idempotency::execute(&pool, &claim, &operation).await });
-    match task.await {
-        Ok(Ok(completion)) => {
+    match result {
+        Ok(completion) => {
             if let Some(id) = completion.transfer_id {
                 span.record("transfer_id", tracing::field::display(id));
             }
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("transfer::before_response");
             Ok(stored_response(completion.response, false))
         }
-        Ok(Err(ExecuteError::FenceLost)) => {
+        Err(ExecuteError::FenceLost) => {
             span.record("idempotency_outcome", "fence_lost");
             Err(ApiError::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             })
         }
-        Ok(Err(ExecuteError::Database(e))) => {
+        Err(ExecuteError::Database(e)) => {
             span.record("idempotency_outcome", "failed");
             Err(ApiError::from(e))
         }
-        Ok(Err(ExecuteError::Invariant(message))) => {
+        Err(ExecuteError::Invariant(message)) => {
             span.record("idempotency_outcome", "failed");
             tracing::error!(%message, "transfer broke an invariant");
             Err(ApiError::Internal)
         }
-        Err(join_error) => {
-            span.record("idempotency_outcome", "failed");
-            tracing::error!(error = %join_error, "transfer task did not finish");
-            Err(ApiError::Internal)
-        }
     }
+}
+
+/// What the claim decided, and the execution's result when it claimed.
+enum Handled {
+    Replay(StoredResponse),
+    Mismatch,
+    InFlight,
+    Executed {
+        took_over: bool,
+        result: Result<Completion, ExecuteError>,
+    },
+}
+
+async fn claim_and_execute(
+    pool: PgPool,
+    policy: Policy,
+    operation: TransferOperation,
+) -> Result<Handled, sqlx::Error> {
+    let outcome = idempotency::store::claim(
+        &pool,
+        policy,
+        Scope(operation.principal_id),
+        &operation.key,
+        "POST",
+        ROUTE,
+        &operation.fingerprint,
+    )
+    .await?;
+    let claim = match outcome {
+        ClaimOutcome::Replay(stored) => return Ok(Handled::Replay(stored)),
+        ClaimOutcome::Mismatch => return Ok(Handled::Mismatch),
+        ClaimOutcome::InFlight { .. } => return Ok(Handled::InFlight),
+        ClaimOutcome::Claimed(claim) => claim,
+    };
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("transfer::after_claim");
+    let result = idempotency::execute(&pool, &claim, &operation).await;
+    Ok(Handled::Executed {
+        took_over: claim.took_over,
+        result,
+    })
 }
 
 /// What a 409 tells the client to wait: a posting takes milliseconds, so one

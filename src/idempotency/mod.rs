@@ -106,6 +106,8 @@ async fn execute_once<O: Operation>(
         Err(OperationError::Database(e)) => return Err(ExecuteError::Database(e)),
         Err(OperationError::Invariant(msg)) => return Err(ExecuteError::Invariant(msg)),
     };
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("idempotency::in_transaction");
     let completed = store::complete(&mut tx, claim, &completion.response, completion.transfer_id)
         .await
         .map_err(ExecuteError::Database)?;
@@ -114,6 +116,8 @@ async fn execute_once<O: Operation>(
         return Err(ExecuteError::FenceLost);
     }
     tx.commit().await.map_err(ExecuteError::Database)?;
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("idempotency::after_commit");
     Ok(completion)
 }
 

@@ -4,6 +4,9 @@
 //! that read the ledger itself, not only HTTP statuses.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod process;
+pub mod proxy;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -342,4 +345,53 @@ pub async fn assert_ledger_consistent(pool: &PgPool) {
     )
     .await;
     assert_eq!(negative, 0, "customer accounts below zero");
+}
+
+/// Idempotency records by status, for the figures the fault tests print.
+pub async fn key_status_counts(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT status, count(*) FROM idempotency_keys GROUP BY status ORDER BY status")
+        .fetch_all(pool)
+        .await
+        .expect("status counts")
+}
+
+/// Asserts that each key has exactly one customer transfer, that every
+/// answer seen for it names that transfer, that no other customer transfer
+/// exists, and that every record is COMPLETED with that transfer.
+pub async fn assert_each_intent_moved_once(pool: &PgPool, answers: &[(String, Vec<Reply>)]) {
+    let transfers: Vec<(String, uuid::Uuid)> =
+        sqlx::query_as("SELECT idempotency_key, id FROM transfers WHERE principal_id IS NOT NULL")
+            .fetch_all(pool)
+            .await
+            .expect("transfers");
+    let by_key: std::collections::HashMap<String, uuid::Uuid> = transfers.into_iter().collect();
+    assert_eq!(
+        by_key.len(),
+        answers.len(),
+        "customer transfers that no intent asked for, or intents without one"
+    );
+    for (key, replies) in answers {
+        let id = by_key
+            .get(key)
+            .unwrap_or_else(|| panic!("intent {key} has no transfer"));
+        assert!(!replies.is_empty(), "intent {key} was never answered");
+        for reply in replies {
+            assert_eq!(reply.status, 201, "intent {key}: {:?}", reply.body);
+            assert_eq!(
+                reply.json()["transfer_id"].as_str(),
+                Some(id.to_string().as_str()),
+                "an answer for {key} names another transfer"
+            );
+        }
+    }
+    let unfinished = scalar(
+        pool,
+        "SELECT count(*) FROM idempotency_keys k
+         WHERE k.status <> 'COMPLETED'
+            OR k.transfer_id IS DISTINCT FROM
+               (SELECT t.id FROM transfers t WHERE t.principal_id = k.principal_id
+                                              AND t.idempotency_key = k.idempotency_key)",
+    )
+    .await;
+    assert_eq!(unfinished, 0, "records not COMPLETED with their transfer");
 }
