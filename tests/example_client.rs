@@ -10,77 +10,14 @@ mod common;
 #[path = "../examples/transfer_client.rs"]
 mod transfer_client;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
+use common::proxy::{Behaviour, TcpProxy, http_body};
 use common::*;
 use nexo_transfers::http::transfers::{ROUTE, TransferBody, TransferIntent};
 use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, Policy, Scope, store};
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
 use transfer_client::{AttemptResult, Intent, Outcome, RetryPolicy, TransferRequest};
-
-/// The most a request or response through the proxy may hold; ours are
-/// under 1 KiB.
-const PROXY_MESSAGE_BYTES_MAX: usize = 64 * 1024;
-
-/// Reads one HTTP/1.1 message (headers and a Content-Length body) whole.
-async fn read_message(stream: &mut TcpStream) -> Vec<u8> {
-    let mut message = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(end) = message.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&message[..end]).to_ascii_lowercase();
-            let length: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .map_or(0, |v| v.trim().parse().unwrap());
-            if message.len() >= end + 4 + length {
-                return message;
-            }
-        }
-        assert!(message.len() < PROXY_MESSAGE_BYTES_MAX, "message too large");
-        let n = stream.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "the peer closed mid-message");
-        message.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// A proxy in front of the server that loses the first response: it
-/// forwards the first request, reads the server's whole answer (so the
-/// transfer is done), hands that answer to the test and closes the client's
-/// connection without relaying it. Later connections are relayed as they are.
-async fn spawn_lossy_proxy(upstream: SocketAddr) -> (SocketAddr, oneshot::Receiver<Vec<u8>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (lost_tx, lost_rx) = oneshot::channel();
-    tokio::spawn(async move {
-        let (mut client, _) = listener.accept().await.unwrap();
-        let request = read_message(&mut client).await;
-        let mut server = TcpStream::connect(upstream).await.unwrap();
-        server.write_all(&request).await.unwrap();
-        let response = read_message(&mut server).await;
-        let _ = lost_tx.send(response);
-        drop(client);
-        loop {
-            let Ok((mut client, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut server = TcpStream::connect(upstream).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-            });
-        }
-    });
-    (addr, lost_rx)
-}
-
-fn body_of(message: &[u8]) -> &[u8] {
-    let end = message.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    &message[end + 4..]
-}
 
 fn request(amount_minor: i64) -> TransferRequest {
     TransferRequest {
@@ -120,16 +57,21 @@ async fn run_client(base_url: &str, intent: &Intent) -> (Outcome, String) {
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn a_lost_response_is_retried_into_the_replay_of_the_one_transfer(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
-    let (proxy, lost) = spawn_lossy_proxy(app.addr).await;
+    // Forwards the first request, reads the server's whole answer (so the
+    // transfer is done) and closes the client's connection without it.
+    let proxy = TcpProxy::start(app.addr).await;
+    proxy.misbehave(Behaviour::DropResponse, 1);
     let intent = Intent::new(&request(10_000));
 
-    let (outcome, log) = run_client(&format!("http://{proxy}"), &intent).await;
+    let (outcome, log) = run_client(&proxy.base(), &intent).await;
 
-    let lost = lost.await.expect("the proxy saw the first answer");
+    let lost = proxy.dropped_responses();
+    assert_eq!(lost.len(), 1, "the proxy lost exactly the first answer");
+    let lost = &lost[0];
     assert!(
         lost.starts_with(b"HTTP/1.1 201"),
         "{}",
-        String::from_utf8_lossy(&lost)
+        String::from_utf8_lossy(lost)
     );
     assert_eq!(outcome.attempts.len(), 2, "{log}");
     assert!(
@@ -148,11 +90,11 @@ async fn a_lost_response_is_retried_into_the_replay_of_the_one_transfer(pool: Pg
     assert!(outcome.replayed, "the final answer is the replay");
     assert_eq!(
         outcome.body.as_ref(),
-        body_of(&lost),
+        http_body(lost),
         "the replay is byte for byte the answer that was lost"
     );
     let (original, replay): (serde_json::Value, serde_json::Value) = (
-        serde_json::from_slice(body_of(&lost)).unwrap(),
+        serde_json::from_slice(http_body(lost)).unwrap(),
         serde_json::from_slice(&outcome.body).unwrap(),
     );
     assert_eq!(replay["transfer_id"], original["transfer_id"]);
