@@ -71,10 +71,12 @@ impl FromRequestParts<AppState> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        // Credentials first, as on every authenticated route: a request
+        // without a bearer token is a 401 whether or not admin access is on.
+        let token = bearer(parts)?;
         let Some(expected) = state.operations.admin_token_sha256 else {
             return Err(ApiError::NotFound);
         };
-        let token = bearer(parts)?;
         // Digests are compared, not tokens: the caller cannot steer a
         // digest byte by byte, so the comparison's timing tells nothing.
         if auth::token_sha256(token) == expected {
