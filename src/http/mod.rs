@@ -4,6 +4,7 @@ pub mod accounts;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod rate_limit;
 pub mod transfers;
 
 use std::collections::HashSet;
@@ -23,7 +24,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::trace::TraceLayer;
 
-use crate::config::HttpConfig;
+use crate::config::{HttpConfig, RateLimitConfig};
 use crate::idempotency::Policy;
 use error::ApiError;
 
@@ -34,6 +35,8 @@ pub struct AppState {
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
+    /// `None` when rate limiting is off.
+    pub rate_limiter: Option<Arc<rate_limit::PrincipalRateLimiter>>,
 }
 
 #[derive(Debug, Clone)]
@@ -49,7 +52,15 @@ impl AppState {
             pool,
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
+            rate_limiter: rate_limit::PrincipalRateLimiter::new(RateLimitConfig::default())
+                .map(Arc::new),
         })
+    }
+
+    /// Replaces the default per-principal rate limits.
+    pub fn with_rate_limit(mut self, config: RateLimitConfig) -> Self {
+        self.rate_limiter = rate_limit::PrincipalRateLimiter::new(config).map(Arc::new);
+        self
     }
 }
 

@@ -10,7 +10,7 @@ pub mod proxy;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nexo_transfers::config::HttpConfig;
+use nexo_transfers::config::{HttpConfig, RateLimitConfig};
 use nexo_transfers::http::{AppConfig, AppState};
 use nexo_transfers::idempotency::Policy;
 use serde_json::{Value, json};
@@ -55,6 +55,15 @@ impl TestApp {
     }
 
     pub async fn spawn_with(pool: PgPool, policy: Policy, http: HttpConfig) -> Self {
+        Self::spawn_configured(pool, policy, http, RateLimitConfig::default()).await
+    }
+
+    pub async fn spawn_configured(
+        pool: PgPool,
+        policy: Policy,
+        http: HttpConfig,
+        rate_limit: RateLimitConfig,
+    ) -> Self {
         nexo_transfers::admin::load_demo(&pool)
             .await
             .expect("demo fixtures load");
@@ -66,7 +75,8 @@ impl TestApp {
             },
         )
         .await
-        .expect("state builds");
+        .expect("state builds")
+        .with_rate_limit(rate_limit);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
