@@ -1,13 +1,13 @@
 //! `GET /accounts/{account_id}` and its statement of entries.
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::AppState;
 use super::error::ApiError;
-use super::extract::Principal;
+use super::extract::{PathParam, Principal};
 use crate::ledger::{self, Account, AccountId};
 
 /// Entries per page when the client does not ask.
@@ -66,7 +66,7 @@ async fn owned_account(
 pub async fn get(
     State(state): State<AppState>,
     principal: Principal,
-    Path(account_id): Path<String>,
+    PathParam(account_id): PathParam,
 ) -> Result<Json<AccountView>, ApiError> {
     let account = owned_account(&state, principal, &account_id).await?;
     Ok(Json(AccountView {
@@ -80,7 +80,7 @@ pub async fn get(
 pub async fn entries(
     State(state): State<AppState>,
     principal: Principal,
-    Path(account_id): Path<String>,
+    PathParam(account_id): PathParam,
     query: Result<Query<EntriesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<EntriesPage>, ApiError> {
     let Query(query) = query.map_err(|_| {
@@ -141,11 +141,22 @@ fn encode_cursor(entry_id: i64) -> String {
     format!("e{entry_id}")
 }
 
+/// Digits a cursor may carry. Entry ids are identities that never reach
+/// 10^18, and a bound in digits is a syntax `openapi.yaml` can state
+/// exactly (`^e[1-9][0-9]{0,17}$`), unlike the range of an i64.
+const CURSOR_DIGITS_MAX: usize = 18;
+
+/// Only the exact spelling `encode_cursor` produces: `e+5` or `e05` would
+/// parse as numbers, but no page ever issued them.
 fn decode_cursor(raw: &str) -> Option<i64> {
-    raw.strip_prefix('e')?
-        .parse::<i64>()
-        .ok()
-        .filter(|id| *id > 0)
+    let digits = raw.strip_prefix('e')?;
+    if digits.starts_with('0')
+        || digits.len() > CURSOR_DIGITS_MAX
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    digits.parse::<i64>().ok().filter(|id| *id > 0)
 }
 
 #[cfg(test)]
@@ -155,7 +166,21 @@ mod tests {
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
         assert_eq!(decode_cursor(&encode_cursor(42)), Some(42));
-        for bad in ["", "42", "e", "e-1", "e0", "eabc", "e99999999999999999999"] {
+        let longest = "9".repeat(CURSOR_DIGITS_MAX);
+        assert!(decode_cursor(&format!("e{longest}")).is_some());
+        for bad in [
+            "",
+            "42",
+            "e",
+            "e-1",
+            "e0",
+            "eabc",
+            "e99999999999999999999",
+            "e1000000000000000000",
+            "e+5",
+            "e05",
+            " e5",
+        ] {
             assert_eq!(decode_cursor(bad), None, "{bad}");
         }
     }

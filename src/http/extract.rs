@@ -1,6 +1,6 @@
 //! Extractors that turn every rejection into our problem+json errors.
 
-use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -47,6 +47,23 @@ impl FromRequestParts<AppState> for IdempotencyKey {
 
     async fn from_request_parts(parts: &mut Parts, _: &AppState) -> Result<Self, ApiError> {
         Ok(IdempotencyKey::from_headers(&parts.headers)?)
+    }
+}
+
+/// The single path parameter of a route, as text. A segment that is not
+/// valid UTF-8 once percent-decoded names no resource: it is our 404
+/// problem, not axum's plain-text 400.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathParam(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathParam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(value)| PathParam(value))
+            .map_err(|_| ApiError::NotFound)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The HTTP API: routes, extractors, error mapping and the middleware stack.
 
 pub mod accounts;
+pub mod docs;
 pub mod error;
 pub mod extract;
 pub mod health;
@@ -76,6 +77,9 @@ pub fn app(state: AppState) -> Router {
         .route("/accounts/{account_id}/entries", get(accounts::entries))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/openapi.yaml", get(docs::openapi))
+        .route("/docs", get(docs::page))
+        .route("/docs/{asset}", get(docs::asset))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(

@@ -1,6 +1,6 @@
 //! `POST /transfers` and `GET /transfers/{transfer_id}`.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::{ApiError, ValidationKind};
-use super::extract::{Principal, StrictJson};
+use super::extract::{PathParam, Principal, StrictJson};
 use crate::idempotency::{
     self, ClaimOutcome, Completion, ExecuteError, Fingerprint, IdempotencyKey, Operation,
     OperationError, Policy, Scope, StoredResponse,
@@ -126,13 +126,7 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let intent = TransferIntent::parse(&body)?;
     check_against_accounts(&state, principal, &intent).await?;
-    let fingerprint = intent.fingerprint();
-    let operation = TransferOperation {
-        principal_id: principal.id,
-        key,
-        fingerprint,
-        intent,
-    };
+    let operation = TransferOperation::new(principal.id, key, intent);
     // The claim and the work it starts run in a task of their own. If the
     // client hangs up, hyper drops this handler's future; were the claim
     // awaited here, a claim committed just before that would be left
@@ -291,11 +285,22 @@ async fn check_against_accounts(
 }
 
 /// One transfer intent, executed once under its claimed key.
-struct TransferOperation {
+pub struct TransferOperation {
     principal_id: Uuid,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
     intent: TransferIntent,
+}
+
+impl TransferOperation {
+    pub fn new(principal_id: Uuid, key: IdempotencyKey, intent: TransferIntent) -> Self {
+        Self {
+            principal_id,
+            fingerprint: intent.fingerprint(),
+            key,
+            intent,
+        }
+    }
 }
 
 impl Operation for TransferOperation {
@@ -323,7 +328,12 @@ impl Operation for TransferOperation {
             PostingOutcome::AlreadyPosted(transfer)
                 if transfer.request_fingerprint.as_slice() == self.fingerprint.as_bytes() =>
             {
-                created(&transfer)
+                let mut completion = created(&transfer);
+                completion
+                    .response
+                    .headers
+                    .push((IDEMPOTENT_REPLAYED.to_owned(), "true".to_owned()));
+                completion
             }
             PostingOutcome::AlreadyPosted(_) => Completion {
                 response: ApiError::IdempotencyKeyReused.to_stored(),
@@ -425,7 +435,7 @@ pub fn stored_response(stored: StoredResponse, replayed: bool) -> Response {
 pub async fn get(
     State(state): State<AppState>,
     principal: Principal,
-    Path(transfer_id): Path<String>,
+    PathParam(transfer_id): PathParam,
 ) -> Result<Response, ApiError> {
     let id = Uuid::parse_str(&transfer_id).map_err(|_| ApiError::NotFound)?;
     let transfer = ledger::repo::get_transfer(&state.pool, id)
@@ -537,8 +547,8 @@ mod tests {
 
     #[test]
     fn negative_zero_is_not_an_integer_amount() {
-        // serde_json reads `-0` as the float -0.0, so it is refused with the
-        // other non-integers (a 400), before any amount check.
+        // serde_json reads `-0` as the float -0.0, so it is refused like any
+        // other non-integer rather than silently becoming a zero amount.
         let json = r#"{"from":"acc_1","to":"acc_2","amount_minor":-0,"currency":"USD"}"#;
         assert!(serde_json::from_str::<TransferBody>(json).is_err());
     }

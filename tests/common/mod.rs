@@ -202,6 +202,63 @@ impl Reply {
     }
 }
 
+/// A `DATABASE_URL` for the test's own database, for a child process (the
+/// real binary) to use: the server of `DATABASE_URL`, the pool's database.
+pub fn database_url_for(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for tests");
+    let database = pool
+        .connect_options()
+        .get_database()
+        .expect("test pools name their database")
+        .to_owned();
+    let mut url = url::Url::parse(&base).expect("DATABASE_URL is a URL");
+    url.set_path(&database);
+    url.to_string()
+}
+
+/// The path of the server binary built for these tests.
+pub const BIN: &str = env!("CARGO_BIN_EXE_nexo-transfers");
+
+/// Runs the real binary with a command line against a database; returns
+/// (exit code, stdout, stderr).
+pub async fn run_cli(database_url: &str, args: &[&str]) -> (i32, String, String) {
+    let output = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("the binary runs");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// A port that was free a moment ago, for a child server process.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Polls `GET /healthz` until the server answers, for at most `within`.
+pub async fn wait_until_healthy(base: &str, within: Duration) -> bool {
+    let client = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if let Ok(r) = client.get(format!("{base}/healthz")).send().await
+            && r.status().is_success()
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 pub fn transfer(from: &str, to: &str, amount_minor: i64, currency: &str) -> Value {
     json!({"from": from, "to": to, "amount_minor": amount_minor, "currency": currency})
 }

@@ -1,0 +1,153 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The real binary: onboarding without SQL, clear configuration errors,
+//! idempotent demo fixtures, and a graceful stop.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+use sqlx::PgPool;
+
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn operators_onboard_a_principal_open_an_account_and_deposit_once(pool: PgPool) {
+    let url = database_url_for(&pool);
+
+    let (code, out, _) = run_cli(&url, &["create-principal", "--name", "acme"]).await;
+    assert_eq!(code, 0);
+    let created: Value = serde_json::from_str(&out).unwrap();
+    let token = created["token"].as_str().unwrap().to_owned();
+    let stored: Vec<u8> =
+        sqlx::query_scalar("SELECT token_sha256 FROM principals WHERE name = 'acme'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(stored.len(), 32, "only the hash is stored");
+    assert_ne!(stored, token.as_bytes());
+
+    let (code, out, _) = run_cli(
+        &url,
+        &[
+            "open-account",
+            "--owner",
+            "acme",
+            "--currency",
+            "USD",
+            "--id",
+            "acc_acme1",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    for _ in 0..2 {
+        let (code, out, err) = run_cli(
+            &url,
+            &[
+                "deposit",
+                "--account",
+                "acc_acme1",
+                "--amount-minor",
+                "500000",
+                "--reference",
+                "wire-1",
+            ],
+        )
+        .await;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("\"amount_minor\": 500000"));
+    }
+    assert_eq!(
+        balance(&pool, "acc_acme1").await,
+        500_000,
+        "one reference, one deposit"
+    );
+    assert_eq!(balance(&pool, "sys_funding_usd").await, -500_000);
+
+    let (code, _, err) = run_cli(
+        &url,
+        &[
+            "deposit",
+            "--account",
+            "acc_acme1",
+            "--amount-minor",
+            "7",
+            "--reference",
+            "wire-1",
+        ],
+    )
+    .await;
+    assert_eq!(code, 1);
+    assert!(err.contains("already used"), "{err}");
+
+    // The printed token works against the API.
+    let app = TestApp::spawn(pool).await;
+    let account = app.get(&token, "/accounts/acc_acme1").await;
+    assert_eq!(account.json()["balance_minor"], 500_000);
+    assert_ledger_consistent(&app.pool).await;
+}
+
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_bad_setting_is_a_one_line_error_naming_it(pool: PgPool) {
+    let url = database_url_for(&pool);
+    let output = tokio::process::Command::new(BIN)
+        .args(["serve"])
+        .env("DATABASE_URL", &url)
+        .env("NEXO_IDEMPOTENCY_TTL", "forever")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("NEXO_IDEMPOTENCY_TTL"), "{stderr}");
+
+    let (code, _, err) = run_cli(&url, &["serve", "--idempotency-lease", "2d"]).await;
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("NEXO_IDEMPOTENCY_TTL must be longer than NEXO_IDEMPOTENCY_LEASE"),
+        "{err}"
+    );
+}
+
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn demo_fixtures_load_idempotently_and_the_server_stops_gracefully(pool: PgPool) {
+    let url = database_url_for(&pool);
+    for _ in 0..2 {
+        let port = free_port();
+        let base = format!("http://127.0.0.1:{port}");
+        let mut child = tokio::process::Command::new(BIN)
+            .args(["serve", "--demo", "--bind", &format!("127.0.0.1:{port}")])
+            .env("DATABASE_URL", &url)
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        assert!(wait_until_healthy(&base, Duration::from_secs(20)).await);
+        let id = child.id().unwrap();
+        nix_kill(id, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("stops within 10s")
+            .unwrap();
+        assert!(status.success(), "{status:?}");
+    }
+    assert_eq!(
+        balance(&pool, A_USD).await,
+        OPENING_BALANCE,
+        "loaded twice, funded once"
+    );
+    assert_eq!(balance(&pool, A_EUR).await, OPENING_BALANCE);
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM principals").await, 2);
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM transfers").await, 2);
+    assert_ledger_consistent(&pool).await;
+}
+
+fn nix_kill(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
