@@ -21,18 +21,21 @@ async fn a_principal_past_its_rate_gets_429_with_retry_after_and_no_one_else_doe
     };
     let app = TestApp::spawn_configured(pool, default_policy(), default_http(), limits).await;
     let path = format!("/accounts/{A_USD}");
+    let started = Instant::now();
     let replies = futures::future::join_all((0..8).map(|_| app.get(TOKEN_A, &path))).await;
+    let elapsed = started.elapsed();
     let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 200).count(),
-        3,
-        "{statuses:?}"
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    // The burst, plus what the rate refilled while the requests ran.
+    let allowed = 3 + (elapsed.as_secs_f64() * 2.0) as usize;
+    assert!(
+        (3..=allowed).contains(&served),
+        "{statuses:?} in {elapsed:?}"
     );
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 429).count(),
-        5,
-        "{statuses:?}"
-    );
+    for reply in replies.iter().filter(|r| r.status != 200) {
+        reply.assert_problem(429, "rate-limited");
+    }
+    assert!(served < 8, "nothing was throttled: {statuses:?}");
 
     // A throttled POST touches nothing: its key stays free.
     let (key, body) = (new_key(), transfer(A_USD, B_USD, 100, "USD"));
@@ -184,14 +187,20 @@ async fn body_limit_request_timeout_and_pool_bound_come_from_the_settings(pool: 
         }
     };
     let waiting_on_lock = async {
-        // Both requests are in; only one connection waits on the lock.
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        scalar(
-            &pool,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .await
+        // Samples, while both requests are in, how many of this database's
+        // connections wait on the lock: the pool bound allows one.
+        let mut most = 0;
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let waiting = scalar(
+                &pool,
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await;
+            most = most.max(waiting);
+        }
+        most
     };
     let ((held, held_for), (starved, starved_for), blocked_connections) =
         tokio::join!(timed_get(0), timed_get(200), waiting_on_lock);
@@ -249,5 +258,7 @@ async fn the_rate_limit_settings_reach_the_binary(pool: PgPool) {
         }
         statuses.push(reply.status);
     }
-    assert_eq!(statuses, [200, 200, 429, 429]);
+    // A burst of two, then throttled (a fourth request may find a token
+    // refilled if the machine is slow).
+    assert_eq!(statuses[..3], [200, 200, 429], "{statuses:?}");
 }
