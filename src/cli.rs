@@ -250,7 +250,8 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     )
     .await
     .map_err(|e| format!("cannot read the supported currencies: {e}"))?
-    .with_operations(operations);
+    .with_operations(operations)
+    .with_rate_limit(config.rate_limit);
     let listener = tokio::net::TcpListener::bind(config.bind)
         .await
         .map_err(|e| format!("cannot listen on {} (NEXO_BIND): {e}", config.bind))?;

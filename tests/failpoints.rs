@@ -169,7 +169,7 @@ async fn killed_before_the_response_is_written_the_retry_replays(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
-async fn a_panic_inside_the_ledger_transaction_commits_nothing(pool: PgPool) {
+async fn a_panic_inside_the_ledger_transaction_commits_nothing_and_frees_the_key(pool: PgPool) {
     let url = database_url(&pool);
     // Panics on the first pass only; the retry runs clean.
     let server = ServerProcess::start(
@@ -192,22 +192,18 @@ async fn a_panic_inside_the_ledger_transaction_commits_nothing(pool: PgPool) {
     assert_eq!(customer_transfer_count(&pool).await, 0);
     assert_eq!(balance(&pool, B_USD).await, 0);
 
-    let retry = send_until_answered(
-        &client,
-        &server.base,
-        TOKEN_A,
-        &key,
-        &body,
-        Instant::now() + Duration::from_secs(30),
-    )
-    .await;
+    // The key was marked FAILED: the retry executes at once, no lease to wait.
+    assert_eq!(key_rows(&pool, &key).await, [("FAILED".to_owned(), None)]);
+    let retry = try_post_transfer(&client, &server.base, TOKEN_A, &key, &body)
+        .await
+        .unwrap();
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed());
     assert_each_intent_moved_once(&pool, &[(key, vec![retry])]).await;
     assert_ledger_consistent(&pool).await;
     let logs = server.logs().join("\n");
     assert!(
-        logs.contains("transfer task did not finish"),
+        logs.contains("the posting did not finish"),
         "the panic is logged"
     );
 }

@@ -26,6 +26,9 @@ impl FromRequestParts<AppState> for Principal {
             .await?
             .ok_or(ApiError::Unauthorized)?;
         tracing::Span::current().record("principal_id", tracing::field::display(id));
+        if let Some(limiter) = &state.rate_limiter {
+            limiter.check(id)?;
+        }
         parts.extensions.insert(Principal { id });
         Ok(Principal { id })
     }

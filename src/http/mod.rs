@@ -6,6 +6,7 @@ pub mod error;
 pub mod extract;
 pub mod health;
 pub mod operations;
+pub mod rate_limit;
 pub mod transfers;
 
 use std::collections::HashSet;
@@ -25,7 +26,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::trace::TraceLayer;
 
-use crate::config::HttpConfig;
+use crate::config::{HttpConfig, RateLimitConfig};
 use crate::idempotency::Policy;
 use error::ApiError;
 
@@ -38,6 +39,8 @@ pub struct AppState {
     pub currencies: Arc<HashSet<String>>,
     /// The admin token's hash and the last scheduled reconciliation.
     pub operations: Arc<operations::Operations>,
+    /// `None` when rate limiting is off.
+    pub rate_limiter: Option<Arc<rate_limit::PrincipalRateLimiter>>,
 }
 
 #[derive(Debug, Clone)]
@@ -56,12 +59,20 @@ impl AppState {
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
             operations: Arc::default(),
+            rate_limiter: rate_limit::PrincipalRateLimiter::new(RateLimitConfig::default())
+                .map(Arc::new),
         })
     }
 
     /// The admin token and the scheduled reconciliation's result cell.
     pub fn with_operations(mut self, operations: operations::Operations) -> Self {
         self.operations = Arc::new(operations);
+        self
+    }
+
+    /// Replaces the default per-principal rate limits.
+    pub fn with_rate_limit(mut self, config: RateLimitConfig) -> Self {
+        self.rate_limiter = rate_limit::PrincipalRateLimiter::new(config).map(Arc::new);
         self
     }
 }

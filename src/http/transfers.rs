@@ -227,7 +227,27 @@ async fn claim_and_execute(
     };
     #[cfg(feature = "failpoints")]
     fail::fail_point!("transfer::after_claim");
-    let result = idempotency::execute(&pool, &claim, &operation).await;
+    // The posting runs in a task of its own so that a panic in it is caught
+    // here: its transaction rolls back with the dropped connection, and the
+    // key is marked FAILED so the retry need not wait out the lease.
+    let posting = {
+        let (pool, claim) = (pool.clone(), claim.clone());
+        tokio::spawn(
+            async move { idempotency::execute(&pool, &claim, &operation).await }.in_current_span(),
+        )
+    };
+    let result = match posting.await {
+        Ok(result) => result,
+        Err(join_error) => {
+            if let Err(e) = idempotency::store::mark_failed(&pool, &claim).await {
+                // The lease still frees the key.
+                tracing::error!(error = %e, "could not mark the claim FAILED");
+            }
+            Err(ExecuteError::Invariant(format!(
+                "the posting did not finish: {join_error}"
+            )))
+        }
+    };
     Ok(Handled::Executed {
         took_over: claim.took_over,
         result,

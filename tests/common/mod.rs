@@ -10,7 +10,7 @@ pub mod proxy;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nexo_transfers::config::HttpConfig;
+use nexo_transfers::config::{HttpConfig, RateLimitConfig};
 use nexo_transfers::http::operations::Operations;
 use nexo_transfers::http::{AppConfig, AppState};
 use nexo_transfers::idempotency::Policy;
@@ -56,19 +56,36 @@ impl TestApp {
     }
 
     pub async fn spawn_with(pool: PgPool, policy: Policy, http: HttpConfig) -> Self {
-        Self::spawn_configured(pool, policy, http, None).await
+        Self::spawn_configured(pool, policy, http, RateLimitConfig::default()).await
     }
 
     /// With the operator side set: an admin token and the cell the
     /// scheduled reconciliation writes to.
     pub async fn spawn_with_operations(pool: PgPool, operations: Operations) -> Self {
-        Self::spawn_configured(pool, default_policy(), default_http(), Some(operations)).await
+        Self::spawn_full(
+            pool,
+            default_policy(),
+            default_http(),
+            RateLimitConfig::default(),
+            Some(operations),
+        )
+        .await
     }
 
-    async fn spawn_configured(
+    pub async fn spawn_configured(
         pool: PgPool,
         policy: Policy,
         http: HttpConfig,
+        rate_limit: RateLimitConfig,
+    ) -> Self {
+        Self::spawn_full(pool, policy, http, rate_limit, None).await
+    }
+
+    async fn spawn_full(
+        pool: PgPool,
+        policy: Policy,
+        http: HttpConfig,
+        rate_limit: RateLimitConfig,
         operations: Option<Operations>,
     ) -> Self {
         nexo_transfers::admin::load_demo(&pool)
@@ -82,7 +99,8 @@ impl TestApp {
             },
         )
         .await
-        .expect("state builds");
+        .expect("state builds")
+        .with_rate_limit(rate_limit);
         if let Some(operations) = operations {
             state = state.with_operations(operations);
         }

@@ -343,3 +343,14 @@ pub async fn retry_all(sent: &[Sent], base: &str) -> Vec<(String, Vec<Reply>)> {
 pub fn total_amount(sent: &[Sent]) -> i64 {
     sent.iter().map(|s| s.amount).sum()
 }
+
+/// `GET path` with a bearer token, read whole; panics on a transport error.
+pub async fn get_with(client: &reqwest::Client, url: &str, token: &str) -> Reply {
+    let response = client
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("answered");
+    Reply::read(response).await
+}

@@ -204,3 +204,38 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 pub fn http_body(message: &[u8]) -> &[u8] {
     find(message, b"\r\n\r\n").map_or(&[], |at| &message[at + 4..])
 }
+
+/// Sends `request` as raw bytes on a new connection and reads one response:
+/// for requests an HTTP client refuses to build (control characters or
+/// non-ASCII bytes in headers, chunked bodies, repeated headers in odd forms).
+pub async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> super::Reply {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("request written");
+    let message = read_http_message(&mut stream)
+        .await
+        .expect("the server answers with a whole HTTP response");
+    let head_end = find(&message, b"\r\n\r\n").expect("a head") + 4;
+    let head = String::from_utf8_lossy(&message[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let mut headers = reqwest::header::HeaderMap::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        if let Some((name, value)) = line.split_once(':')
+            && let (Ok(name), Ok(value)) = (
+                reqwest::header::HeaderName::from_bytes(name.trim().as_bytes()),
+                reqwest::header::HeaderValue::from_str(value.trim()),
+            )
+        {
+            headers.append(name, value);
+        }
+    }
+    super::Reply {
+        status,
+        headers,
+        body: message.slice(head_end..),
+    }
+}
