@@ -1,6 +1,7 @@
 //! The HTTP API: routes, extractors, error mapping and the middleware stack.
 
 pub mod accounts;
+pub mod caches;
 pub mod error;
 pub mod extract;
 pub mod health;
@@ -31,9 +32,14 @@ use error::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub pool: PgPool,
+    /// Where idempotency claims run: commits without waiting for the WAL
+    /// flush (see `db::claim_pool` for why that is safe).
+    pub claim_pool: PgPool,
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
+    /// Token and account lookups kept in memory (see `caches`).
+    pub caches: Arc<caches::Caches>,
 }
 
 #[derive(Debug, Clone)]
@@ -46,9 +52,11 @@ impl AppState {
     pub async fn new(pool: PgPool, config: AppConfig) -> Result<Self, sqlx::Error> {
         let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
         Ok(Self {
+            claim_pool: crate::db::claim_pool(&pool),
             pool,
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
+            caches: Arc::default(),
         })
     }
 }

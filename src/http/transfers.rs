@@ -128,7 +128,7 @@ pub async fn create(
     let fingerprint = intent.fingerprint();
 
     let outcome = idempotency::store::claim(
-        &state.pool,
+        &state.claim_pool,
         state.config.idempotency,
         Scope(principal.id),
         &key,
@@ -219,31 +219,40 @@ async fn check_against_accounts(
             format!("{} is not a supported currency", intent.currency),
         ));
     }
-    let accounts =
-        ledger::repo::get_accounts(&state.pool, &[intent.from.as_str(), intent.to.as_str()])
-            .await?;
-    let from = accounts
-        .iter()
-        .find(|a| a.id == intent.from.as_str())
+    let (from_id, to_id) = (intent.from.as_str(), intent.to.as_str());
+    let (mut from, mut to) = (state.caches.account(from_id), state.caches.account(to_id));
+    // Only what memory does not hold is read, in one query.
+    let missing: Vec<&str> = [(from_id, &from), (to_id, &to)]
+        .into_iter()
+        .filter_map(|(id, known)| known.is_none().then_some(id))
+        .collect();
+    if !missing.is_empty() {
+        for account in ledger::repo::get_accounts(&state.pool, &missing).await? {
+            state.caches.remember_account(&account);
+            if account.id == from_id {
+                from = Some((&account).into());
+            } else if account.id == to_id {
+                to = Some((&account).into());
+            }
+        }
+    }
+    let from = from
         .filter(|a| a.principal_id == Some(principal.id))
         // Someone else's account is indistinguishable from no account (BOLA).
         .ok_or(ApiError::NotFound)?;
-    let to = accounts
-        .iter()
-        .find(|a| a.id == intent.to.as_str())
-        .ok_or_else(|| {
-            ApiError::validation(
-                ValidationKind::UnknownDestination,
-                format!("destination account {} does not exist", intent.to),
-            )
-        })?;
-    for account in [from, to] {
+    let to = to.ok_or_else(|| {
+        ApiError::validation(
+            ValidationKind::UnknownDestination,
+            format!("destination account {} does not exist", intent.to),
+        )
+    })?;
+    for (id, account) in [(from_id, from), (to_id, to)] {
         if account.currency != intent.currency.as_str() {
             return Err(ApiError::validation(
                 ValidationKind::CurrencyMismatch,
                 format!(
-                    "account {} holds {}, not {}",
-                    account.id, account.currency, intent.currency
+                    "account {id} holds {}, not {}",
+                    account.currency, intent.currency
                 ),
             ));
         }
