@@ -1,6 +1,7 @@
 //! The HTTP API: routes, extractors, error mapping and the middleware stack.
 
 pub mod accounts;
+pub mod batch;
 pub mod caches;
 pub mod error;
 pub mod extract;
@@ -40,6 +41,8 @@ pub struct AppState {
     pub currencies: Arc<HashSet<String>>,
     /// Token and account lookups kept in memory (see `caches`).
     pub caches: Arc<caches::Caches>,
+    /// Transfers waiting for their source account's batch (see `batch`).
+    pub postings: Arc<batch::AccountQueues<transfers::TransferOperation>>,
 }
 
 #[derive(Debug, Clone)]
@@ -54,9 +57,10 @@ impl AppState {
         Ok(Self {
             claim_pool: crate::db::claim_pool(&pool),
             pool,
+            caches: Arc::new(caches::Caches::new(config.idempotency.ttl)),
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
-            caches: Arc::default(),
+            postings: Arc::default(),
         })
     }
 }

@@ -126,6 +126,15 @@ pub async fn create(
     let intent = TransferIntent::parse(&body)?;
     check_against_accounts(&state, principal, &intent).await?;
     let fingerprint = intent.fingerprint();
+    let span = tracing::Span::current();
+    // An intent completed lately is replayed from memory: no round trip.
+    if let Some(stored) = state
+        .caches
+        .replay(principal.id, key.as_str(), &fingerprint)
+    {
+        span.record("idempotency_outcome", "replayed");
+        return Ok(stored_response(stored, true));
+    }
 
     let outcome = idempotency::store::claim(
         &state.claim_pool,
@@ -137,10 +146,12 @@ pub async fn create(
         &fingerprint,
     )
     .await?;
-    let span = tracing::Span::current();
     let claim = match outcome {
         ClaimOutcome::Replay(stored) => {
             span.record("idempotency_outcome", "replayed");
+            state
+                .caches
+                .remember_completed(principal.id, key.as_str(), &fingerprint, &stored);
             return Ok(stored_response(stored, true));
         }
         ClaimOutcome::Mismatch => {
@@ -165,16 +176,26 @@ pub async fn create(
     );
 
     let operation = TransferOperation::new(principal.id, key.clone(), intent);
-    // The claimed work runs in its own task: if the client hangs up, hyper
-    // drops this handler's future, but the posting still finishes and
+    // The claimed work runs in a task of its own, batched with other
+    // transfers from the same account (see `batch`): if the client hangs up,
+    // hyper drops this handler's future, but the posting still finishes and
     // completes the key instead of leaving it blocked for a whole lease.
-    let pool = state.pool.clone();
-    let task = tokio::spawn(async move { idempotency::execute(&pool, &claim, &operation).await });
+    let from = operation.intent.from.clone();
+    let task = state
+        .postings
+        .submit(&state.pool, from.as_str(), claim, operation);
     match task.await {
         Ok(Ok(completion)) => {
             if let Some(id) = completion.transfer_id {
                 span.record("transfer_id", tracing::field::display(id));
             }
+            // Committed as COMPLETED: from now on a retry is a replay.
+            state.caches.remember_completed(
+                principal.id,
+                key.as_str(),
+                &fingerprint,
+                &completion.response,
+            );
             Ok(stored_response(completion.response, false))
         }
         Ok(Err(ExecuteError::FenceLost)) => {
@@ -276,6 +297,12 @@ impl TransferOperation {
             key,
             intent,
         }
+    }
+}
+
+impl super::batch::Posting for TransferOperation {
+    fn accounts(&self) -> [&str; 2] {
+        [self.intent.from.as_str(), self.intent.to.as_str()]
     }
 }
 

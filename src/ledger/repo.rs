@@ -94,13 +94,7 @@ pub async fn post_transfer(
     conn: &mut PgConnection,
     request: &PostingRequest<'_>,
 ) -> Result<PostingOutcome, LedgerError> {
-    let accounts: Vec<Account> = sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, allow_negative
-         FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-    )
-    .bind([request.from, request.to].as_slice())
-    .fetch_all(&mut *conn)
-    .await?;
+    let accounts = lock_accounts(&mut *conn, &[request.from, request.to]).await?;
     let find = |id: &str| {
         accounts
             .iter()
@@ -200,6 +194,23 @@ pub async fn post_transfer(
         debit_entry_id,
         credit_entry_id,
     }))
+}
+
+/// Locks accounts for the rest of the caller's transaction, in id order:
+/// every transaction that locks accounts does it through here, so no two
+/// can wait on each other in a cycle. Locking an account this transaction
+/// already holds is free.
+pub async fn lock_accounts(
+    conn: &mut PgConnection,
+    ids: &[&str],
+) -> Result<Vec<Account>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, principal_id, currency, balance_minor, allow_negative
+         FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    )
+    .bind(ids)
+    .fetch_all(conn)
+    .await
 }
 
 async fn find_by_key(
