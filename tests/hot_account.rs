@@ -19,9 +19,11 @@ async fn concurrent_transfers_from_one_account_post_once_each_and_overdrafts_fai
     let body = transfer(A_USD, B_USD, AMOUNT, "USD");
     let keys: Vec<String> = (0..TRANSFERS).map(|_| new_key()).collect();
 
-    let replies =
-        futures::future::join_all(keys.iter().map(|key| app.post_transfer(TOKEN_A, key, &body)))
-            .await;
+    let replies = futures::future::join_all(
+        keys.iter()
+            .map(|key| app.post_transfer(TOKEN_A, key, &body)),
+    )
+    .await;
 
     let created = replies.iter().filter(|r| r.status == 201).count();
     for refused in replies.iter().filter(|r| r.status != 201) {
