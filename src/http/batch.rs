@@ -1,25 +1,32 @@
-//! Transfers that debit the same account are posted one batch at a time,
-//! several in one transaction.
+//! Transfers are posted in batches, several in one transaction, and the
+//! transfers that debit one account one batch at a time.
 //!
 //! Every transfer from an account must hold that account's row lock from
 //! its check to its commit, and a commit waits for the WAL flush (about
 //! 3 ms on the benchmark machine's disk): one account can then post only a
 //! few hundred transfers a second, and with many clients the waiters pile up
-//! on the row lock inside PostgreSQL, each holding a pooled connection. Here
-//! the service queues them instead: while one batch for an account runs,
-//! later transfers from it wait in memory, and the next batch takes all of
-//! them (up to `BATCH_TRANSFERS_MAX`) into one transaction that locks every
-//! account involved in id order, posts each transfer in arrival order and
-//! completes each claim, fenced by its own token, then commits once. Each
-//! transfer stays individually idempotent (its own key, its own stored
-//! answer), is durable before its answer (the reply is sent after the
-//! commit), and is refused alone when it would overdraw (the check runs
-//! under the lock, after the transfers before it in the batch). If
-//! anything in a batch fails (a lost fence, a database error), the batch is
-//! rolled back whole and its transfers run again one by one through the
-//! ordinary path, which handles each failure on its own.
+//! on the row lock inside PostgreSQL, each holding a pooled connection. And
+//! on a small machine every round trip costs CPU that the database needs:
+//! a transfer alone costs a `BEGIN`, a `COMMIT` and a flush of its own.
+//!
+//! So the service queues transfers itself, in `POSTING_SHARDS` queues chosen
+//! by the source account (all transfers from one account share a queue).
+//! While a batch of a queue runs, later transfers wait in memory; the next
+//! batch takes all of them (up to `BATCH_TRANSFERS_MAX`) into one
+//! transaction that locks every account involved in id order, posts each
+//! transfer in arrival order, completes every claim (each fenced by its own
+//! token) in one statement, then commits once. Each transfer stays
+//! individually idempotent (its own key, its own stored answer), is durable
+//! before its answer (the reply is sent after the commit), and is refused
+//! alone when it would overdraw (the check runs under the lock, after the
+//! transfers before it in the batch). If anything in a batch fails (a lost
+//! fence, a database error), the batch is rolled back whole and its
+//! transfers run again one by one through the ordinary path, which handles
+//! each failure on its own. A transfer that finds its queue idle is posted
+//! alone at once.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
@@ -30,12 +37,14 @@ use crate::ledger;
 
 /// The most transfers one transaction posts. Bounds how long a batch holds
 /// its locks and how long its first transfer waits for its answer (about
-/// three round trips per transfer, so tens of milliseconds at most).
+/// two round trips per transfer, so tens of milliseconds at most).
 pub const BATCH_TRANSFERS_MAX: usize = 32;
 
-/// The most source accounts with work queued at once; beyond it a transfer
-/// runs on its own as if unbatched, so the map cannot grow without bound.
-pub const QUEUED_ACCOUNTS_MAX: usize = 10_000;
+/// How many batches may run at once. Each has one transaction in flight,
+/// so this many keep the database busy across a flush wait (group commit
+/// joins their flushes) while leaving the pool room for claims' neighbours;
+/// fewer would make larger batches but idle the database during flushes.
+pub const POSTING_SHARDS: u64 = 8;
 
 /// An operation that moves money between accounts, which a batch must lock.
 pub trait Posting: Operation {
@@ -50,14 +59,22 @@ struct Job<P> {
     reply: oneshot::Sender<Reply>,
 }
 
-/// The queued work per source account. An account has an entry exactly
-/// while a task is posting its batches.
-pub struct AccountQueues<P> {
+/// The queued work per shard of source accounts. A shard has an entry
+/// exactly while a task is posting its batches.
+pub struct PostingQueues<P> {
     /// A std Mutex, not a tokio one: nothing awaits while it is held.
-    queues: Mutex<HashMap<String, VecDeque<Job<P>>>>,
+    queues: Mutex<HashMap<u64, VecDeque<Job<P>>>>,
 }
 
-impl<P> Default for AccountQueues<P> {
+/// The queue of a source account: the same for all its transfers, so they
+/// are never in two transactions at once.
+fn shard_of(account: &str) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    account.hash(&mut hasher);
+    hasher.finish() % POSTING_SHARDS
+}
+
+impl<P> Default for PostingQueues<P> {
     fn default() -> Self {
         Self {
             queues: Mutex::new(HashMap::new()),
@@ -65,10 +82,10 @@ impl<P> Default for AccountQueues<P> {
     }
 }
 
-impl<P: Posting> AccountQueues<P> {
-    /// Posts the claimed operation, batched with other transfers from the
-    /// same account that are waiting. The work runs in a task of its own:
-    /// if the caller goes away, it still finishes and completes the key.
+impl<P: Posting> PostingQueues<P> {
+    /// Posts the claimed operation, batched with the transfers waiting in
+    /// its source account's queue. The work runs in a task of its own: if
+    /// the caller goes away, it still finishes and completes the key.
     pub async fn submit(
         self: &Arc<Self>,
         pool: &PgPool,
@@ -82,65 +99,53 @@ impl<P: Posting> AccountQueues<P> {
             operation,
             reply,
         };
-        match self.enqueue(account, job) {
-            Enqueued::Queued => {}
-            Enqueued::Lead => {
-                tokio::spawn(Arc::clone(self).drain(pool.clone(), account.to_owned()));
-            }
-            Enqueued::Full(job) => {
-                let pool = pool.clone();
-                tokio::spawn(async move {
-                    let result = idempotency::execute(&pool, &job.claim, &job.operation).await;
-                    let _ = job.reply.send(result);
-                });
-            }
+        let shard = shard_of(account);
+        if self.enqueue(shard, job) {
+            tokio::spawn(Arc::clone(self).drain(pool.clone(), shard));
         }
         answer.await
     }
 
-    fn enqueue(&self, account: &str, job: Job<P>) -> Enqueued<P> {
+    /// Queues the job; true when its queue was idle and the caller must
+    /// start draining it.
+    fn enqueue(&self, shard: u64, job: Job<P>) -> bool {
         let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(queue) = queues.get_mut(account) {
-            queue.push_back(job);
-            return Enqueued::Queued;
+        match queues.get_mut(&shard) {
+            Some(queue) => {
+                queue.push_back(job);
+                false
+            }
+            None => {
+                queues.insert(shard, VecDeque::from([job]));
+                true
+            }
         }
-        if queues.len() >= QUEUED_ACCOUNTS_MAX {
-            return Enqueued::Full(job);
-        }
-        queues.insert(account.to_owned(), VecDeque::from([job]));
-        Enqueued::Lead
     }
 
-    /// Takes the next batch, or removes the account's entry when nothing is
+    /// Takes the next batch, or removes the shard's entry when nothing is
     /// left (under the lock, so no job can be queued without a drainer).
-    fn next_batch(&self, account: &str) -> Vec<Job<P>> {
+    fn next_batch(&self, shard: u64) -> Vec<Job<P>> {
         let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(queue) = queues.get_mut(account) else {
+        let Some(queue) = queues.get_mut(&shard) else {
             return Vec::new();
         };
         let take = queue.len().min(BATCH_TRANSFERS_MAX);
         let batch: Vec<Job<P>> = queue.drain(..take).collect();
         if batch.is_empty() {
-            queues.remove(account);
+            queues.remove(&shard);
         }
         batch
     }
 
-    async fn drain(self: Arc<Self>, pool: PgPool, account: String) {
+    async fn drain(self: Arc<Self>, pool: PgPool, shard: u64) {
         loop {
-            let batch = self.next_batch(&account);
+            let batch = self.next_batch(shard);
             if batch.is_empty() {
                 return;
             }
             run_batch(&pool, batch).await;
         }
     }
-}
-
-enum Enqueued<P> {
-    Queued,
-    Lead,
-    Full(Job<P>),
 }
 
 async fn run_batch<P: Posting>(pool: &PgPool, mut batch: Vec<Job<P>>) {
@@ -194,19 +199,25 @@ async fn post_together<P: Posting>(
             .execute(&mut tx)
             .await
             .map_err(|e| e.to_string())?;
-        let completed = store::complete(
-            &mut tx,
-            &job.claim,
-            &completion.response,
-            completion.transfer_id,
-        )
+        completions.push(completion);
+    }
+    // Every claim is completed in the same transaction as its posting, in
+    // one statement, each fenced by its own token.
+    let fenced: Vec<_> = batch
+        .iter()
+        .zip(&completions)
+        .map(|(job, c)| (&job.claim, &c.response, c.transfer_id))
+        .collect();
+    let completed = store::complete_all(&mut tx, &fenced)
         .await
         .map_err(|e| e.to_string())?;
-        if !completed {
-            // Dropping the transaction rolls back every posting in it.
-            return Err(format!("the claim of {} was taken over", job.claim.key));
-        }
-        completions.push(completion);
+    if completed != batch.len() {
+        // Dropping the transaction rolls back every posting in it.
+        return Err(format!(
+            "{} of {} claims were taken over",
+            batch.len() - completed,
+            batch.len()
+        ));
     }
     tx.commit().await.map_err(|e| e.to_string())?;
     Ok(completions)

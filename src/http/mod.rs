@@ -41,8 +41,8 @@ pub struct AppState {
     pub currencies: Arc<HashSet<String>>,
     /// Token and account lookups kept in memory (see `caches`).
     pub caches: Arc<caches::Caches>,
-    /// Transfers waiting for their source account's batch (see `batch`).
-    pub postings: Arc<batch::AccountQueues<transfers::TransferOperation>>,
+    /// Transfers waiting for their batch (see `batch`).
+    pub postings: Arc<batch::PostingQueues<transfers::TransferOperation>>,
 }
 
 #[derive(Debug, Clone)]

@@ -177,7 +177,7 @@ pub async fn create(
 
     let operation = TransferOperation::new(principal.id, key.clone(), intent);
     // The claimed work runs in a task of its own, batched with other
-    // transfers from the same account (see `batch`): if the client hangs up,
+    // waiting transfers (see `batch`): if the client hangs up,
     // hyper drops this handler's future, but the posting still finishes and
     // completes the key instead of leaving it blocked for a whole lease.
     let from = operation.intent.from.clone();

@@ -312,6 +312,52 @@ pub async fn complete(
     Ok(result.rows_affected() == 1)
 }
 
+/// Completes several claims inside the caller's transaction in one
+/// statement, each fenced by its own lock token as in [`complete`]. Returns
+/// how many were completed: fewer than given means at least one was taken
+/// over, and the caller must roll back everything.
+#[tracing::instrument(skip_all, fields(claims = completions.len()))]
+pub async fn complete_all(
+    conn: &mut PgConnection,
+    completions: &[(&Claim, &StoredResponse, Option<Uuid>)],
+) -> Result<usize, sqlx::Error> {
+    let (mut scopes, mut keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut statuses, mut headers, mut bodies, mut transfers) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (claim, response, transfer_id) in completions {
+        scopes.push(claim.scope.0);
+        keys.push(claim.key.as_str());
+        tokens.push(claim.lock_token);
+        statuses.push(i16::try_from(response.status).unwrap_or(500));
+        headers.push(sqlx::types::Json(&response.headers));
+        bodies.push(response.body.as_ref());
+        transfers.push(*transfer_id);
+    }
+    let result = sqlx::query(
+        "UPDATE idempotency_keys k SET
+             status = 'COMPLETED',
+             response_status = c.status,
+             response_headers = c.headers,
+             response_body = c.body,
+             transfer_id = c.transfer_id,
+             updated_at = now()
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::int2[], $5::jsonb[], $6::bytea[], $7::uuid[])
+              AS c(principal_id, idempotency_key, lock_token, status, headers, body, transfer_id)
+         WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
+           AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'",
+    )
+    .bind(&scopes)
+    .bind(&keys)
+    .bind(&tokens)
+    .bind(&statuses)
+    .bind(&headers)
+    .bind(&bodies)
+    .bind(&transfers)
+    .execute(conn)
+    .await?;
+    Ok(usize::try_from(result.rows_affected()).unwrap_or(usize::MAX))
+}
+
 /// Releases a claim after a technical failure so a retry with the same key
 /// executes again at once instead of waiting out the lease. Fenced like
 /// completion: a taken-over claim is left to its new owner.
