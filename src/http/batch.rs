@@ -29,15 +29,17 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
-use sqlx::PgPool;
+use std::future::Future;
+
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
-use crate::idempotency::{self, Claim, Completion, ExecuteError, Operation, store};
-use crate::ledger;
+use crate::idempotency::{self, Claim, Completion, ExecuteError, Operation, OperationError, store};
+use crate::ledger::{self, Account};
 
 /// The most transfers one transaction posts. Bounds how long a batch holds
-/// its locks and how long its first transfer waits for its answer (about
-/// two round trips per transfer, so tens of milliseconds at most).
+/// its locks and how long its first transfer waits for its answer (one
+/// round trip per transfer, so tens of milliseconds at most).
 pub const BATCH_TRANSFERS_MAX: usize = 32;
 
 /// How many batches may run at once. Each has one transaction in flight,
@@ -46,9 +48,19 @@ pub const BATCH_TRANSFERS_MAX: usize = 32;
 /// fewer would make larger batches but idle the database during flushes.
 pub const POSTING_SHARDS: u64 = 8;
 
-/// An operation that moves money between accounts, which a batch must lock.
+/// An operation that moves money between accounts, which a batch locks
+/// once for all its operations.
 pub trait Posting: Operation {
     fn accounts(&self) -> [&str; 2];
+
+    /// Like `execute`, with the accounts already locked: `accounts` holds
+    /// every account of the batch with its current balance, and the
+    /// operation keeps it current.
+    fn execute_locked<'c>(
+        &'c self,
+        conn: &'c mut PgConnection,
+        accounts: &'c mut [Account],
+    ) -> impl Future<Output = Result<Completion, OperationError>> + Send + 'c;
 }
 
 type Reply = Result<Completion, ExecuteError>;
@@ -189,14 +201,14 @@ async fn post_together<P: Posting>(
         .collect();
     accounts.sort_unstable();
     accounts.dedup();
-    ledger::repo::lock_accounts(&mut tx, &accounts)
+    let mut locked = ledger::repo::lock_accounts(&mut tx, &accounts)
         .await
         .map_err(|e| e.to_string())?;
     let mut completions = Vec::with_capacity(batch.len());
     for job in batch {
         let completion = job
             .operation
-            .execute(&mut tx)
+            .execute_locked(&mut tx, &mut locked)
             .await
             .map_err(|e| e.to_string())?;
         completions.push(completion);

@@ -16,7 +16,7 @@ use crate::idempotency::{
     OperationError, Scope, StoredResponse,
 };
 use crate::ledger::{
-    self, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
+    self, Account, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
     PostingRequest, Transfer,
 };
 
@@ -304,11 +304,27 @@ impl super::batch::Posting for TransferOperation {
     fn accounts(&self) -> [&str; 2] {
         [self.intent.from.as_str(), self.intent.to.as_str()]
     }
+
+    async fn execute_locked(
+        &self,
+        conn: &mut PgConnection,
+        accounts: &mut [Account],
+    ) -> Result<Completion, OperationError> {
+        let outcome = ledger::repo::post_locked(conn, &self.request(), accounts).await;
+        self.completion(outcome)
+    }
 }
 
 impl Operation for TransferOperation {
     async fn execute(&self, conn: &mut PgConnection) -> Result<Completion, OperationError> {
-        let request = PostingRequest {
+        let outcome = ledger::repo::post_transfer(conn, &self.request()).await;
+        self.completion(outcome)
+    }
+}
+
+impl TransferOperation {
+    fn request(&self) -> PostingRequest<'_> {
+        PostingRequest {
             principal_id: Some(self.principal_id),
             idempotency_key: self.key.as_str(),
             fingerprint: self.fingerprint.as_bytes(),
@@ -317,13 +333,18 @@ impl Operation for TransferOperation {
             amount: self.intent.amount,
             currency: &self.intent.currency,
             description: self.intent.description.as_ref(),
-        };
-        let outcome = ledger::repo::post_transfer(conn, &request)
-            .await
-            .map_err(|e| match e {
-                LedgerError::Database(e) => OperationError::Database(e),
-                other => OperationError::Invariant(other.to_string()),
-            })?;
+        }
+    }
+
+    /// The answer to store for a posting's outcome.
+    fn completion(
+        &self,
+        outcome: Result<PostingOutcome, LedgerError>,
+    ) -> Result<Completion, OperationError> {
+        let outcome = outcome.map_err(|e| match e {
+            LedgerError::Database(e) => OperationError::Database(e),
+            other => OperationError::Invariant(other.to_string()),
+        })?;
         Ok(match outcome {
             PostingOutcome::Posted(transfer) => created(&transfer),
             // The record of this key was purged and the client retried late:

@@ -94,7 +94,20 @@ pub async fn post_transfer(
     conn: &mut PgConnection,
     request: &PostingRequest<'_>,
 ) -> Result<PostingOutcome, LedgerError> {
-    let accounts = lock_accounts(&mut *conn, &[request.from, request.to]).await?;
+    let mut accounts = lock_accounts(&mut *conn, &[request.from, request.to]).await?;
+    post_locked(conn, request, &mut accounts).await
+}
+
+/// Posts one transfer whose accounts the caller's transaction has already
+/// locked (a batch locks all of its accounts at once); `accounts` holds them
+/// with their current balances, and is kept current: a posting updates the
+/// two balances it moved, so the next posting of the batch checks its funds
+/// against them without reading the rows again.
+pub async fn post_locked(
+    conn: &mut PgConnection,
+    request: &PostingRequest<'_>,
+    accounts: &mut [Account],
+) -> Result<PostingOutcome, LedgerError> {
     let find = |id: &str| {
         accounts
             .iter()
@@ -177,6 +190,13 @@ pub async fn post_transfer(
             None => Err(LedgerError::Database(sqlx::Error::RowNotFound)),
         };
     };
+    for account in accounts.iter_mut() {
+        if account.id == request.from {
+            account.balance_minor -= amount;
+        } else if account.id == request.to {
+            account.balance_minor += amount;
+        }
+    }
     // The row as written, built from what was sent and what came back
     // instead of read again.
     Ok(PostingOutcome::Posted(Transfer {
