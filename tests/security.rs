@@ -170,11 +170,12 @@ async fn body_limit_request_timeout_and_pool_bound_come_from_the_settings(pool: 
         .await
         .assert_problem(413, "payload-too-large");
 
-    // Block the token lookup behind a table lock: the first request holds
+    // Block the balance read behind a table lock (the token lookup may be
+    // served from memory, the balance never is): the first request holds
     // the pool's only connection until the request timeout; the second
     // cannot get a connection and gives up at the acquire timeout.
     let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE principals IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("LOCK TABLE accounts IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *blocker)
         .await
         .unwrap();

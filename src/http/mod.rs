@@ -1,6 +1,8 @@
 //! The HTTP API: routes, extractors, error mapping and the middleware stack.
 
 pub mod accounts;
+pub mod batch;
+pub mod caches;
 pub mod docs;
 pub mod error;
 pub mod extract;
@@ -34,6 +36,9 @@ use error::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub pool: PgPool,
+    /// Where idempotency claims run: commits without waiting for the WAL
+    /// flush (see `db::claim_pool` for why that is safe).
+    pub claim_pool: PgPool,
     pub config: Arc<AppConfig>,
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: Arc<HashSet<String>>,
@@ -41,6 +46,10 @@ pub struct AppState {
     pub operations: Arc<operations::Operations>,
     /// `None` when rate limiting is off.
     pub rate_limiter: Option<Arc<rate_limit::PrincipalRateLimiter>>,
+    /// Token and account lookups kept in memory (see `caches`).
+    pub caches: Arc<caches::Caches>,
+    /// Transfers waiting for their batch (see `batch`).
+    pub postings: Arc<batch::PostingQueues<transfers::TransferOperation>>,
 }
 
 #[derive(Debug, Clone)]
@@ -55,12 +64,15 @@ impl AppState {
         crate::telemetry::recorder();
         let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
         Ok(Self {
+            claim_pool: crate::db::claim_pool(&pool),
             pool,
+            caches: Arc::new(caches::Caches::new(config.idempotency.ttl)),
             config: Arc::new(config),
             currencies: Arc::new(currencies.into_iter().collect()),
             operations: Arc::default(),
             rate_limiter: rate_limit::PrincipalRateLimiter::new(RateLimitConfig::default())
                 .map(Arc::new),
+            postings: Arc::default(),
         })
     }
 

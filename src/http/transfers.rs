@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -16,10 +16,10 @@ use super::error::{ApiError, ValidationKind};
 use super::extract::{PathParam, Principal, StrictJson};
 use crate::idempotency::{
     self, ClaimOutcome, Completion, ExecuteError, Fingerprint, IdempotencyKey, Operation,
-    OperationError, Policy, Scope, StoredResponse,
+    OperationError, Scope, StoredResponse,
 };
 use crate::ledger::{
-    self, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
+    self, Account, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
     PostingRequest, Transfer,
 };
 use crate::telemetry;
@@ -130,16 +130,24 @@ pub async fn create(
     check_against_accounts(&state, principal, &intent)
         .await
         .inspect_err(count_rejection)?;
+    let span = tracing::Span::current();
     let operation = TransferOperation::new(principal.id, key, intent);
+    // An intent completed lately is replayed from memory: no round trip.
+    if let Some(stored) =
+        state
+            .caches
+            .replay(principal.id, operation.key.as_str(), &operation.fingerprint)
+    {
+        record_outcome(&span, "replayed");
+        return Ok(stored_response(stored, true));
+    }
     // The claim and the work it starts run in a task of their own. If the
     // client hangs up, hyper drops this handler's future; were the claim
     // awaited here, a claim committed just before that would be left
     // IN_PROGRESS and block its key for a whole lease (the hang-up test in
     // tests/lost_response.rs saw 2 to 4 in 20). The task always finishes:
     // it completes the key, or marks it FAILED.
-    let (pool, policy) = (state.pool.clone(), state.config.idempotency);
-    let task = tokio::spawn(claim_and_execute(pool, policy, operation).in_current_span());
-    let span = tracing::Span::current();
+    let task = tokio::spawn(claim_and_execute(state.clone(), operation).in_current_span());
     let handled = match task.await {
         Ok(handled) => handled?,
         Err(join_error) => {
@@ -205,13 +213,12 @@ enum Handled {
 }
 
 async fn claim_and_execute(
-    pool: PgPool,
-    policy: Policy,
+    state: AppState,
     operation: TransferOperation,
 ) -> Result<Handled, sqlx::Error> {
     let outcome = idempotency::store::claim(
-        &pool,
-        policy,
+        &state.claim_pool,
+        state.config.idempotency,
         Scope(operation.principal_id),
         &operation.key,
         "POST",
@@ -220,34 +227,57 @@ async fn claim_and_execute(
     )
     .await?;
     let claim = match outcome {
-        ClaimOutcome::Replay(stored) => return Ok(Handled::Replay(stored)),
+        ClaimOutcome::Replay(stored) => {
+            state.caches.remember_completed(
+                operation.principal_id,
+                operation.key.as_str(),
+                &operation.fingerprint,
+                &stored,
+            );
+            return Ok(Handled::Replay(stored));
+        }
         ClaimOutcome::Mismatch => return Ok(Handled::Mismatch),
         ClaimOutcome::InFlight { .. } => return Ok(Handled::InFlight),
         ClaimOutcome::Claimed(claim) => claim,
     };
     #[cfg(feature = "failpoints")]
     fail::fail_point!("transfer::after_claim");
-    // The posting runs in a task of its own so that a panic in it is caught
-    // here: its transaction rolls back with the dropped connection, and the
-    // key is marked FAILED so the retry need not wait out the lease.
-    let posting = {
-        let (pool, claim) = (pool.clone(), claim.clone());
-        tokio::spawn(
-            async move { idempotency::execute(&pool, &claim, &operation).await }.in_current_span(),
-        )
-    };
-    let result = match posting.await {
+    let (principal_id, key, fingerprint) = (
+        operation.principal_id,
+        operation.key.clone(),
+        operation.fingerprint,
+    );
+    let from = operation.intent.from.clone();
+    // The posting is batched with other waiting transfers (see `batch`) and
+    // runs in a task of its own: a panic there drops this job's reply, so it
+    // is caught here, its transaction rolls back with the dropped
+    // connection, and the key is marked FAILED so the retry need not wait
+    // out the lease.
+    let result = match state
+        .postings
+        .submit(&state.pool, from.as_str(), claim.clone(), operation)
+        .await
+    {
         Ok(result) => result,
-        Err(join_error) => {
-            if let Err(e) = idempotency::store::mark_failed(&pool, &claim).await {
+        Err(_) => {
+            if let Err(e) = idempotency::store::mark_failed(&state.pool, &claim).await {
                 // The lease still frees the key.
                 tracing::error!(error = %e, "could not mark the claim FAILED");
             }
-            Err(ExecuteError::Invariant(format!(
-                "the posting did not finish: {join_error}"
-            )))
+            Err(ExecuteError::Invariant(
+                "the posting did not finish".to_owned(),
+            ))
         }
     };
+    if let Ok(completion) = &result {
+        // Committed as COMPLETED: from now on a retry is a replay.
+        state.caches.remember_completed(
+            principal_id,
+            key.as_str(),
+            &fingerprint,
+            &completion.response,
+        );
+    }
     Ok(Handled::Executed {
         took_over: claim.took_over,
         result,
@@ -287,31 +317,40 @@ async fn check_against_accounts(
             format!("{} is not a supported currency", intent.currency),
         ));
     }
-    let accounts =
-        ledger::repo::get_accounts(&state.pool, &[intent.from.as_str(), intent.to.as_str()])
-            .await?;
-    let from = accounts
-        .iter()
-        .find(|a| a.id == intent.from.as_str())
+    let (from_id, to_id) = (intent.from.as_str(), intent.to.as_str());
+    let (mut from, mut to) = (state.caches.account(from_id), state.caches.account(to_id));
+    // Only what memory does not hold is read, in one query.
+    let missing: Vec<&str> = [(from_id, &from), (to_id, &to)]
+        .into_iter()
+        .filter_map(|(id, known)| known.is_none().then_some(id))
+        .collect();
+    if !missing.is_empty() {
+        for account in ledger::repo::get_accounts(&state.pool, &missing).await? {
+            state.caches.remember_account(&account);
+            if account.id == from_id {
+                from = Some((&account).into());
+            } else if account.id == to_id {
+                to = Some((&account).into());
+            }
+        }
+    }
+    let from = from
         .filter(|a| a.principal_id == Some(principal.id))
         // Someone else's account is indistinguishable from no account (BOLA).
         .ok_or(ApiError::NotFound)?;
-    let to = accounts
-        .iter()
-        .find(|a| a.id == intent.to.as_str())
-        .ok_or_else(|| {
-            ApiError::validation(
-                ValidationKind::UnknownDestination,
-                format!("destination account {} does not exist", intent.to),
-            )
-        })?;
-    for account in [from, to] {
+    let to = to.ok_or_else(|| {
+        ApiError::validation(
+            ValidationKind::UnknownDestination,
+            format!("destination account {} does not exist", intent.to),
+        )
+    })?;
+    for (id, account) in [(from_id, from), (to_id, to)] {
         if account.currency != intent.currency.as_str() {
             return Err(ApiError::validation(
                 ValidationKind::CurrencyMismatch,
                 format!(
-                    "account {} holds {}, not {}",
-                    account.id, account.currency, intent.currency
+                    "account {id} holds {}, not {}",
+                    account.currency, intent.currency
                 ),
             ));
         }
@@ -346,9 +385,7 @@ impl TransferOperation {
             Err(poisoned) => *poisoned.into_inner() = Some(decision),
         }
     }
-}
 
-impl TransferOperation {
     pub fn new(principal_id: Uuid, key: IdempotencyKey, intent: TransferIntent) -> Self {
         Self {
             principal_id,
@@ -360,9 +397,43 @@ impl TransferOperation {
     }
 }
 
+impl super::batch::Posting for TransferOperation {
+    fn accounts(&self) -> [&str; 2] {
+        [self.intent.from.as_str(), self.intent.to.as_str()]
+    }
+
+    async fn execute_locked(
+        &self,
+        conn: &mut PgConnection,
+        accounts: &mut [Account],
+    ) -> Result<Completion, OperationError> {
+        let outcome = ledger::repo::post_locked(conn, &self.request(), accounts).await;
+        self.completion(outcome)
+    }
+}
+
 impl Operation for TransferOperation {
     async fn execute(&self, conn: &mut PgConnection) -> Result<Completion, OperationError> {
-        let request = PostingRequest {
+        let outcome = ledger::repo::post_transfer(conn, &self.request()).await;
+        self.completion(outcome)
+    }
+
+    fn committed(&self) {
+        let decision = match self.decision.lock() {
+            Ok(guard) => *guard,
+            Err(poisoned) => *poisoned.into_inner(),
+        };
+        match decision {
+            Some(Decision::Posted) => telemetry::transfer_posted(),
+            Some(Decision::Rejected(reason)) => telemetry::transfer_rejected(reason),
+            Some(Decision::AlreadyPosted) | None => {}
+        }
+    }
+}
+
+impl TransferOperation {
+    fn request(&self) -> PostingRequest<'_> {
+        PostingRequest {
             principal_id: Some(self.principal_id),
             idempotency_key: self.key.as_str(),
             fingerprint: self.fingerprint.as_bytes(),
@@ -371,13 +442,18 @@ impl Operation for TransferOperation {
             amount: self.intent.amount,
             currency: &self.intent.currency,
             description: self.intent.description.as_ref(),
-        };
-        let outcome = ledger::repo::post_transfer(conn, &request)
-            .await
-            .map_err(|e| match e {
-                LedgerError::Database(e) => OperationError::Database(e),
-                other => OperationError::Invariant(other.to_string()),
-            })?;
+        }
+    }
+
+    /// The answer to store for a posting's outcome.
+    fn completion(
+        &self,
+        outcome: Result<PostingOutcome, LedgerError>,
+    ) -> Result<Completion, OperationError> {
+        let outcome = outcome.map_err(|e| match e {
+            LedgerError::Database(e) => OperationError::Database(e),
+            other => OperationError::Invariant(other.to_string()),
+        })?;
         Ok(match outcome {
             PostingOutcome::Posted(transfer) => {
                 self.decide(Decision::Posted);
@@ -399,18 +475,6 @@ impl Operation for TransferOperation {
             PostingOutcome::AlreadyPosted(_) => rejected(self, ApiError::IdempotencyKeyReused),
             PostingOutcome::InsufficientFunds => rejected(self, ApiError::InsufficientFunds),
         })
-    }
-
-    fn committed(&self) {
-        let decision = match self.decision.lock() {
-            Ok(guard) => *guard,
-            Err(poisoned) => *poisoned.into_inner(),
-        };
-        match decision {
-            Some(Decision::Posted) => telemetry::transfer_posted(),
-            Some(Decision::Rejected(reason)) => telemetry::transfer_rejected(reason),
-            Some(Decision::AlreadyPosted) | None => {}
-        }
     }
 }
 

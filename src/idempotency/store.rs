@@ -75,6 +75,37 @@ struct ExistingRow {
     response_body: Option<Vec<u8>>,
 }
 
+/// The claim statement's answer: our token when the insert won, otherwise
+/// the colliding row as the statement's snapshot saw it (all NULL when the
+/// row committed after the snapshot was taken).
+#[derive(sqlx::FromRow)]
+struct ClaimAttempt {
+    claimed: Option<Uuid>,
+    fingerprint: Option<Vec<u8>>,
+    status: Option<String>,
+    locked_until: Option<DateTime<Utc>>,
+    lease_live: Option<bool>,
+    expired: Option<bool>,
+    response_status: Option<i16>,
+    response_headers: Option<sqlx::types::Json<Vec<(String, String)>>>,
+    response_body: Option<Vec<u8>>,
+}
+
+impl ClaimAttempt {
+    fn existing(self) -> Option<ExistingRow> {
+        Some(ExistingRow {
+            fingerprint: self.fingerprint?,
+            status: self.status?,
+            locked_until: self.locked_until?,
+            lease_live: self.lease_live?,
+            expired: self.expired?,
+            response_status: self.response_status,
+            response_headers: self.response_headers,
+            response_body: self.response_body,
+        })
+    }
+}
+
 #[tracing::instrument(skip_all, fields(key = %key))]
 pub async fn claim(
     pool: &PgPool,
@@ -88,14 +119,31 @@ pub async fn claim(
     let mut last_seen_until = Utc::now();
     for _ in 0..CLAIM_PASSES_MAX {
         let token = Uuid::new_v4();
-        let inserted: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO idempotency_keys
-                 (principal_id, idempotency_key, request_method, request_path, fingerprint,
-                  status, lock_token, locked_until, expires_at)
-             VALUES ($1, $2, $3, $4, $5, 'IN_PROGRESS', $6,
-                     now() + make_interval(secs => $7), now() + make_interval(secs => $8))
-             ON CONFLICT (principal_id, idempotency_key) DO NOTHING
-             RETURNING lock_token",
+        // The insert-first claim and a read of the row it collided with, in
+        // one statement: a replay or a conflict is answered in one round
+        // trip instead of two. The read uses the statement's snapshot, so it
+        // misses a row committed while the insert waited on it; only then is
+        // the row read again on its own.
+        let attempt: ClaimAttempt = sqlx::query_as(
+            "WITH claimed AS (
+                 INSERT INTO idempotency_keys
+                     (principal_id, idempotency_key, request_method, request_path, fingerprint,
+                      status, lock_token, locked_until, expires_at)
+                 VALUES ($1, $2, $3, $4, $5, 'IN_PROGRESS', $6,
+                         now() + make_interval(secs => $7), now() + make_interval(secs => $8))
+                 ON CONFLICT (principal_id, idempotency_key) DO NOTHING
+                 RETURNING lock_token
+             )
+             SELECT (SELECT lock_token FROM claimed) AS claimed, k.*
+             FROM (SELECT 1) AS one
+             LEFT JOIN LATERAL (
+                 SELECT fingerprint, status, locked_until,
+                        locked_until > now() AS lease_live,
+                        expires_at <= now() AS expired,
+                        response_status, response_headers, response_body
+                 FROM idempotency_keys
+                 WHERE principal_id = $1 AND idempotency_key = $2
+             ) AS k ON true",
         )
         .bind(scope.0)
         .bind(key.as_str())
@@ -105,9 +153,9 @@ pub async fn claim(
         .bind(token)
         .bind(policy.lease.as_secs_f64())
         .bind(policy.ttl.as_secs_f64())
-        .fetch_optional(pool)
+        .fetch_one(pool)
         .await?;
-        if inserted.is_some() {
+        if attempt.claimed.is_some() {
             return Ok(ClaimOutcome::Claimed(Claim {
                 scope,
                 key: key.clone(),
@@ -116,18 +164,23 @@ pub async fn claim(
             }));
         }
 
-        let existing: Option<ExistingRow> = sqlx::query_as(
-            "SELECT fingerprint, status, locked_until,
-                    locked_until > now() AS lease_live,
-                    expires_at <= now() AS expired,
-                    response_status, response_headers, response_body
-             FROM idempotency_keys
-             WHERE principal_id = $1 AND idempotency_key = $2",
-        )
-        .bind(scope.0)
-        .bind(key.as_str())
-        .fetch_optional(pool)
-        .await?;
+        let existing = match attempt.existing() {
+            Some(row) => Some(row),
+            None => {
+                sqlx::query_as(
+                    "SELECT fingerprint, status, locked_until,
+                            locked_until > now() AS lease_live,
+                            expires_at <= now() AS expired,
+                            response_status, response_headers, response_body
+                     FROM idempotency_keys
+                     WHERE principal_id = $1 AND idempotency_key = $2",
+                )
+                .bind(scope.0)
+                .bind(key.as_str())
+                .fetch_optional(pool)
+                .await?
+            }
+        };
         let Some(row) = existing else {
             continue; // purged between the two statements: claim again
         };
@@ -257,6 +310,52 @@ pub async fn complete(
     .execute(conn)
     .await?;
     Ok(result.rows_affected() == 1)
+}
+
+/// Completes several claims inside the caller's transaction in one
+/// statement, each fenced by its own lock token as in [`complete`]. Returns
+/// how many were completed: fewer than given means at least one was taken
+/// over, and the caller must roll back everything.
+#[tracing::instrument(skip_all, fields(claims = completions.len()))]
+pub async fn complete_all(
+    conn: &mut PgConnection,
+    completions: &[(&Claim, &StoredResponse, Option<Uuid>)],
+) -> Result<usize, sqlx::Error> {
+    let (mut scopes, mut keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut statuses, mut headers, mut bodies, mut transfers) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (claim, response, transfer_id) in completions {
+        scopes.push(claim.scope.0);
+        keys.push(claim.key.as_str());
+        tokens.push(claim.lock_token);
+        statuses.push(i16::try_from(response.status).unwrap_or(500));
+        headers.push(sqlx::types::Json(&response.headers));
+        bodies.push(response.body.as_ref());
+        transfers.push(*transfer_id);
+    }
+    let result = sqlx::query(
+        "UPDATE idempotency_keys k SET
+             status = 'COMPLETED',
+             response_status = c.status,
+             response_headers = c.headers,
+             response_body = c.body,
+             transfer_id = c.transfer_id,
+             updated_at = now()
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::int2[], $5::jsonb[], $6::bytea[], $7::uuid[])
+              AS c(principal_id, idempotency_key, lock_token, status, headers, body, transfer_id)
+         WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
+           AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'",
+    )
+    .bind(&scopes)
+    .bind(&keys)
+    .bind(&tokens)
+    .bind(&statuses)
+    .bind(&headers)
+    .bind(&bodies)
+    .bind(&transfers)
+    .execute(conn)
+    .await?;
+    Ok(usize::try_from(result.rows_affected()).unwrap_or(usize::MAX))
 }
 
 /// Releases a claim after a technical failure so a retry with the same key

@@ -2,6 +2,7 @@
 //! nothing of HTTP or of idempotency records; callers hand it a connection
 //! inside their transaction.
 
+pub mod audit;
 pub mod money;
 pub mod repo;
 

@@ -427,52 +427,30 @@ pub async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
-/// The ledger's invariants, checked on the rows: each transfer has exactly
-/// one debit and one credit of its amount, every balance equals the sum of
-/// its entries, each currency sums to zero, and no customer balance is
-/// negative.
+/// The ledger's invariants, checked on the rows (see
+/// `nexo_transfers::ledger::audit`): each transfer has exactly one debit and
+/// one credit of its amount, every balance equals the sum of its entries,
+/// each currency sums to zero, and no customer balance is negative.
 pub async fn assert_ledger_consistent(pool: &PgPool) {
-    let bad_transfers = scalar(
-        pool,
-        "SELECT count(*) FROM transfers t
-         WHERE (SELECT count(*) FROM ledger_entries e WHERE e.transfer_id = t.id) <> 2
-            OR NOT EXISTS (SELECT 1 FROM ledger_entries e WHERE e.transfer_id = t.id
-                           AND e.account_id = t.from_account AND e.amount_minor = -t.amount_minor)
-            OR NOT EXISTS (SELECT 1 FROM ledger_entries e WHERE e.transfer_id = t.id
-                           AND e.account_id = t.to_account AND e.amount_minor = t.amount_minor)",
-    )
-    .await;
+    let found = nexo_transfers::ledger::audit::reconcile(pool)
+        .await
+        .expect("reconciliation runs");
     assert_eq!(
-        bad_transfers, 0,
+        found.transfers_not_double_entry, 0,
         "transfers without exactly one debit and one credit"
     );
-    let drifted = scalar(
-        pool,
-        "SELECT count(*) FROM accounts a
-         WHERE a.balance_minor <> COALESCE((SELECT sum(amount_minor) FROM ledger_entries e
-                                            WHERE e.account_id = a.id), 0)",
-    )
-    .await;
     assert_eq!(
-        drifted, 0,
+        found.balances_drifted, 0,
         "balances that differ from the sum of their entries"
     );
-    let unbalanced = scalar(
-        pool,
-        "SELECT count(*) FROM (SELECT currency FROM accounts GROUP BY currency
-                               HAVING sum(balance_minor) <> 0) c",
-    )
-    .await;
     assert_eq!(
-        unbalanced, 0,
+        found.currencies_unbalanced, 0,
         "currencies whose balances do not sum to zero"
     );
-    let negative = scalar(
-        pool,
-        "SELECT count(*) FROM accounts WHERE balance_minor < 0 AND NOT allow_negative",
-    )
-    .await;
-    assert_eq!(negative, 0, "customer accounts below zero");
+    assert_eq!(
+        found.customer_balances_negative, 0,
+        "customer accounts below zero"
+    );
 }
 
 /// Idempotency records by status, for the figures the fault tests print.

@@ -1,0 +1,259 @@
+"""Turns one bench/run.sh result folder into docs/benchmarks.md and a plot.
+
+usage: report.py RESULTS_DIR OUT_MARKDOWN OUT_PNG
+"""
+
+import glob
+import json
+import os
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SCENARIOS = ["new", "replay", "storm", "hot", "mixed"]
+CEILINGS = ["new", "hot", "read"]
+# Which ceiling each scenario is held against.
+CEILING_OF = {"new": "new", "replay": "read", "storm": "new", "hot": "hot", "mixed": "new"}
+RSS_LIMIT_MIB = 100
+
+
+def read_machine(folder):
+    machine = {}
+    with open(os.path.join(folder, "machine.txt")) as f:
+        for line in f:
+            key, _, value = line.strip().partition("=")
+            machine[key] = value
+    return machine
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    index = min(len(values) - 1, max(0, int(round(q * len(values) + 0.5)) - 1))
+    return values[index]
+
+
+def read_pgbench(folder):
+    results = {}
+    for path in glob.glob(os.path.join(folder, "pgbench-*.txt")):
+        name, clients = re.match(r".*pgbench-(\w+)-(\d+)\.txt$", path).groups()
+        text = open(path).read()
+        tps = re.search(r"^tps = ([\d.]+)", text, re.M)
+        failed = re.search(r"number of failed transactions: (\d+)", text)
+        aborted = "aborted" in text
+        # Per-transaction log: the third column is the latency in microseconds.
+        latencies = []
+        for log in glob.glob(os.path.join(folder, "pgbench-log", f"{name}-{clients}.*")):
+            with open(log) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 3:
+                        latencies.append(int(parts[2]) / 1000.0)
+        results[(name, int(clients))] = {
+            "tps": float(tps.group(1)) if tps else 0.0,
+            "p50": percentile(latencies, 0.50),
+            "p99": percentile(latencies, 0.99),
+            "failed": int(failed.group(1)) if failed else 0,
+            "aborted": aborted,
+        }
+    return results
+
+
+def read_loadgen(folder):
+    results = {}
+    for path in glob.glob(os.path.join(folder, "loadgen-*.json")):
+        with open(path) as f:
+            r = json.load(f)
+        results[(r["scenario"], r["concurrency"])] = r
+    return results
+
+
+def fmt(x, digits=0):
+    if x is None or x != x:
+        return "–"
+    return f"{x:,.{digits}f}"
+
+
+def answers(r):
+    return ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items()))
+
+
+def checks(r):
+    c = r.get("checks")
+    if not r["ok"]:
+        return "**FAILED**"
+    if c is None:
+        return "not checked"
+    text = f"ok ({c['keys_checked']} keys)"
+    if c.get("writes_during_replay") is False:
+        text += ", no writes"
+    return text
+
+
+def main():
+    folder, out_md, out_png = sys.argv[1:4]
+    machine = read_machine(folder)
+    pg = read_pgbench(folder)
+    lg = read_loadgen(folder)
+    concurrencies = sorted({c for (_, c) in lg} | {c for (_, c) in pg})
+
+    # The plot: throughput and p99 against concurrency, per scenario, with
+    # the pgbench ceilings dashed.
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(13, 5))
+    for s in SCENARIOS:
+        points = [(c, lg[(s, c)]) for c in concurrencies if (s, c) in lg]
+        if not points:
+            continue
+        xs = [c for c, _ in points]
+        (line,) = ax_t.plot(xs, [r["throughput_rps"] for _, r in points], marker="o", label=f"server: {s}")
+        ax_l.plot(xs, [r["latency_ms"]["p99"] for _, r in points], marker="o", color=line.get_color(), label=f"server: {s}")
+    for name in CEILINGS:
+        points = [(c, pg[(name, c)]) for c in concurrencies if (name, c) in pg]
+        if not points:
+            continue
+        xs = [c for c, _ in points]
+        (line,) = ax_t.plot(xs, [p["tps"] for _, p in points], linestyle="--", marker="x", label=f"pgbench: {name}")
+        ax_l.plot(xs, [p["p99"] for _, p in points], linestyle="--", marker="x", color=line.get_color(), label=f"pgbench: {name}")
+    for ax, title, unit in ((ax_t, "Throughput", "requests or transactions / s"), (ax_l, "p99 latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(concurrencies)
+        ax.set_xticklabels([str(c) for c in concurrencies])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(f"nexo-transfers on {machine.get('nproc')} cores, PostgreSQL {machine.get('postgres')}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+    def ratio(s, c):
+        r, p = lg.get((s, c)), pg.get((CEILING_OF[s], c))
+        if not r or not p or not p["tps"]:
+            return None
+        return r["throughput_rps"] / p["tps"]
+
+    lines = []
+    add = lines.append
+    add("# Benchmarks")
+    add("")
+    add("Generated by `bench/run.sh` from one run; do not edit by hand. Every figure below was")
+    add("measured on the same machine in that one run, so the ratios are what counts: the machine is")
+    add("shared, and absolute numbers move with whatever else it is doing (see the load average).")
+    add("Why the code is shaped the way these numbers ask is in `docs/adr/ADR-006-performance.md`.")
+    add("")
+    add("## Machine")
+    add("")
+    add("| | |")
+    add("|---|---|")
+    add(f"| CPU | {machine.get('cpu')} |")
+    add(f"| cores (`nproc`) | {machine.get('nproc')} |")
+    add(f"| memory | {fmt(float(machine.get('memory_mib', 'nan')))} MiB |")
+    add(f"| PostgreSQL | {machine.get('postgres')} (same machine, `synchronous_commit = {machine.get('synchronous_commit')}`, `shared_buffers = {machine.get('shared_buffers')}`) |")
+    add(f"| load average before / after | {machine.get('load_before')} / {machine.get('load_after')} |")
+    add(f"| run | {'quick' if machine.get('quick') == '1' else 'full'}: {machine.get('seconds_per_run')} s per point, {machine.get('accounts')} accounts |")
+    add("")
+    add("## Database ceiling (pgbench)")
+    add("")
+    add("`bench/pgbench/transfer.sql` is the SQL of one transfer issued statement by statement: claim the key")
+    add("and commit; then lock both accounts in id order, insert the transfer, update both balances, insert")
+    add("both entries and complete the key fenced by its token, in one transaction. `new` draws both accounts")
+    add(f"from {machine.get('accounts')}; `hot` debits one account every time; `read` is the primary-key read of")
+    add("a completed key (`bench/pgbench/read.sql`), what a replay needs.")
+    add("")
+    add("| variant | clients | tps | p50 ms | p99 ms |")
+    add("|---|---:|---:|---:|---:|")
+    for name in CEILINGS:
+        for c in concurrencies:
+            p = pg.get((name, c))
+            if p:
+                note = " (aborted)" if p["aborted"] else ""
+                add(f"| {name}{note} | {c} | {fmt(p['tps'])} | {fmt(p['p50'], 2)} | {fmt(p['p99'], 2)} |")
+    add("")
+    add("## Server (release build, driven by `loadgen` over HTTP)")
+    add("")
+    add("A fresh server process per point; `ratio` is the server's throughput over the pgbench variant it")
+    add("is held against at the same number of clients (`new`, `storm`, `mixed`: pgbench new; `replay`:")
+    add("pgbench read; `hot`: pgbench hot). Peak memory is the server's `VmHWM`. After every point the load")
+    add("generator checks on the database that the ledger reconciles and that each key executed at most")
+    add("once and exactly as answered.")
+    add("")
+    add("| scenario | clients | req/s | ratio | p50 ms | p90 ms | p99 ms | max ms | peak RSS MiB | answers | checks |")
+    add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for s in SCENARIOS:
+        for c in concurrencies:
+            r = lg.get((s, c))
+            if not r:
+                continue
+            lat = r["latency_ms"]
+            rss = r["server"]["vm_hwm_kib"] / 1024 if r.get("server") else None
+            add(
+                f"| {s} | {c} | {fmt(r['throughput_rps'])} | {fmt(ratio(s, c), 2)} | {fmt(lat['p50'], 2)} | "
+                f"{fmt(lat['p90'], 2)} | {fmt(lat['p99'], 2)} | {fmt(lat['max'], 1)} | {fmt(rss, 1)} | {answers(r)} | {checks(r)} |"
+            )
+    add("")
+    add("![Throughput and p99 latency against concurrency](benchmarks.png)")
+    add("")
+
+    add("## Targets")
+    add("")
+    add("| target | measured | met |")
+    add("|---|---|---|")
+
+    def yes(ok):
+        return "yes" if ok else "**no**"
+
+    r = lg.get(("new", 32))
+    if r:
+        q = ratio("new", 32)
+        add(
+            f"| `new` at 32 clients ≥ 0.9 of the pgbench ceiling, p99 < 50 ms | {fmt(q, 2)} of "
+            f"{fmt(pg[('new', 32)]['tps'])} tps, p99 {fmt(r['latency_ms']['p99'], 1)} ms | "
+            f"{yes(q is not None and q >= 0.9 and r['latency_ms']['p99'] < 50)} |"
+        )
+    r = lg.get(("replay", 32))
+    if r:
+        no_writes = (r.get("checks") or {}).get("writes_during_replay") is False
+        add(
+            f"| `replay` ≥ 10,000/s at 32 clients, served without a write | {fmt(r['throughput_rps'])}/s, "
+            f"{'no writes' if no_writes else 'writes seen or not checked'} | {yes(r['throughput_rps'] >= 10_000 and no_writes)} |"
+        )
+    h8, h64, naive = lg.get(("hot", 8)), lg.get(("hot", 64)), pg.get(("hot", 8))
+    if h8 and h64:
+        add(
+            f"| `hot`: 64 clients at least as fast as 8 | {fmt(h64['throughput_rps'])}/s vs {fmt(h8['throughput_rps'])}/s | "
+            f"{yes(h64['throughput_rps'] >= h8['throughput_rps'])} |"
+        )
+        add(f"| `hot`: p99 bounded at 64 clients | {fmt(h64['latency_ms']['p99'], 1)} ms (max {fmt(h64['latency_ms']['max'], 1)} ms) | "
+            f"{yes(h64['latency_ms']['p99'] < 1000)} (under 1 s) |")
+        if naive:
+            add(
+                f"| `hot` ≥ 2× the naive 8-client figure (pgbench hot, 8 clients) | {fmt(h64['throughput_rps'])}/s at 64 clients = "
+                f"{fmt(h64['throughput_rps'] / naive['tps'], 1)}× {fmt(naive['tps'])} tps | {yes(h64['throughput_rps'] >= 2 * naive['tps'])} |"
+            )
+    peaks = [(s, r["server"]["vm_hwm_kib"] / 1024) for (s, c), r in lg.items() if c == max(concurrencies) and r.get("server")]
+    if peaks:
+        s, mib = max(peaks, key=lambda p: p[1])
+        add(f"| server RSS < {RSS_LIMIT_MIB} MiB under {max(concurrencies)}-client load | peak {fmt(mib, 1)} MiB (`{s}`) | {yes(mib < RSS_LIMIT_MIB)} |")
+    all_ok = all(r["ok"] for r in lg.values())
+    add(f"| every run's ledger and exactly-once checks pass | {sum(r['ok'] for r in lg.values())} of {len(lg)} | {yes(all_ok)} |")
+    add("")
+    add("## Reproduce")
+    add("")
+    add("```sh")
+    add("bench/run.sh           # full run, writes this file and benchmarks.png")
+    add("bench/run.sh --quick   # a smoke check in about three minutes")
+    add("```")
+    add("")
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
