@@ -157,14 +157,7 @@ async fn opposite_directions_and_a_hot_account_never_surface_a_deadlock(pool: Pg
         .buffer_unordered(CROSSING_CONCURRENCY)
         .collect()
         .await;
-    for reply in &replies {
-        assert_eq!(
-            reply.status,
-            201,
-            "{}",
-            String::from_utf8_lossy(&reply.body)
-        );
-    }
+    assert_all_created(&replies);
     let sum = |from: &str| -> i64 { plan.iter().filter(|p| p.1 == from).map(|p| p.4).sum() };
     assert_eq!(
         app.balance(B_USD).await,

@@ -469,14 +469,7 @@ async fn opposite_transfers_in_parallel_do_not_deadlock(pool: PgPool) {
     }))
     .await;
 
-    for reply in &replies {
-        assert_eq!(
-            reply.status,
-            201,
-            "{}",
-            String::from_utf8_lossy(&reply.body)
-        );
-    }
+    assert_all_created(&replies);
     assert_eq!(customer_transfer_count(&app.pool).await, 2 * PAIRS as i64);
     assert_eq!(app.balance(A_USD).await, OPENING_BALANCE);
     assert_eq!(app.balance(B_USD).await, 1_000_000);

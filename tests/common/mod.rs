@@ -377,6 +377,19 @@ pub async fn wait_until_healthy(base: &str, within: Duration) -> bool {
     false
 }
 
+/// Asserts that every reply is a 201, showing the body of the first that is not.
+#[track_caller]
+pub fn assert_all_created(replies: &[Reply]) {
+    for reply in replies {
+        assert_eq!(
+            reply.status,
+            201,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
+}
+
 pub fn transfer(from: &str, to: &str, amount_minor: i64, currency: &str) -> Value {
     json!({"from": from, "to": to, "amount_minor": amount_minor, "currency": currency})
 }
