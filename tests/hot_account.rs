@@ -5,6 +5,9 @@
 mod common;
 
 use common::*;
+use nexo_transfers::ledger::{
+    AmountMinor, Currency, LedgerError, PostingOutcome, PostingRequest, repo,
+};
 
 /// Enough concurrent transfers that later ones queue behind a running batch.
 const TRANSFERS: usize = 30;
@@ -102,5 +105,142 @@ async fn completing_a_batch_counts_only_the_claims_still_held(pool: sqlx::PgPool
     for claim in &claims {
         let rows = key_rows(&app.pool, claim.key.as_str()).await;
         assert_eq!(rows, vec![("IN_PROGRESS".to_owned(), None)]);
+    }
+}
+
+/// A batch's postings, written by one statement, behave as if posted one by
+/// one: a transfer that the balance left by the earlier ones cannot cover is
+/// refused alone, the later ones still post, and each entry records the
+/// balance its account was left with.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_batch_posts_in_order_and_refuses_only_what_the_running_balance_cannot_cover(
+    pool: sqlx::PgPool,
+) {
+    let app = TestApp::spawn(pool).await;
+    let principal = principal_a(&app.pool).await;
+    let keys: Vec<String> = (0..3).map(|_| new_key()).collect();
+    let amounts = [
+        OPENING_BALANCE * 6 / 10,
+        OPENING_BALANCE * 6 / 10,
+        OPENING_BALANCE * 3 / 10,
+    ];
+    let batch = Postings::new(principal, &keys, &amounts);
+
+    let mut tx = app.pool.begin().await.unwrap();
+    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD]).await.unwrap();
+    let outcomes = repo::post_locked(&mut tx, &batch.requests(), &mut accounts)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let [
+        PostingOutcome::Posted(first),
+        PostingOutcome::InsufficientFunds,
+        PostingOutcome::Posted(third),
+    ] = outcomes.as_slice()
+    else {
+        panic!("expected posted, refused, posted; got {outcomes:?}");
+    };
+    let left = OPENING_BALANCE - amounts[0] - amounts[2];
+    assert_eq!(app.balance(A_USD).await, left);
+    assert_eq!(app.balance(B_USD).await, amounts[0] + amounts[2]);
+    let balance_after = |entry: i64| {
+        sqlx::query_scalar::<_, i64>("SELECT balance_after_minor FROM ledger_entries WHERE id = $1")
+            .bind(entry)
+            .fetch_one(&app.pool)
+    };
+    assert_eq!(
+        balance_after(first.debit_entry_id).await.unwrap(),
+        OPENING_BALANCE - amounts[0]
+    );
+    assert_eq!(balance_after(third.debit_entry_id).await.unwrap(), left);
+    assert_eq!(
+        balance_after(third.credit_entry_id).await.unwrap(),
+        amounts[0] + amounts[2]
+    );
+    assert!(first.debit_entry_id < first.credit_entry_id);
+    assert!(
+        first.credit_entry_id < third.debit_entry_id,
+        "entries in batch order"
+    );
+    assert_eq!(customer_transfer_count(&app.pool).await, 2);
+    assert_ledger_consistent(&app.pool).await;
+}
+
+/// A key that already has its transfer: alone it is found, not posted again;
+/// inside a batch the whole batch fails, so the caller rolls it back and
+/// posts one by one.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool: sqlx::PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let principal = principal_a(&app.pool).await;
+    let keys: Vec<String> = (0..2).map(|_| new_key()).collect();
+    let batch = Postings::new(principal, &keys, &[1_000, 2_000]);
+    let requests = batch.requests();
+
+    let mut tx = app.pool.begin().await.unwrap();
+    let posted = repo::post_transfer(&mut tx, &requests[1]).await.unwrap();
+    tx.commit().await.unwrap();
+    let PostingOutcome::Posted(posted) = posted else {
+        panic!("expected a posting, got {posted:?}");
+    };
+
+    let mut tx = app.pool.begin().await.unwrap();
+    let again = repo::post_transfer(&mut tx, &requests[1]).await.unwrap();
+    assert_eq!(again, PostingOutcome::AlreadyPosted(posted));
+    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD]).await.unwrap();
+    let batch_result = repo::post_locked(&mut tx, &requests, &mut accounts).await;
+    assert!(
+        matches!(batch_result, Err(LedgerError::PlanMismatch(_))),
+        "got {batch_result:?}"
+    );
+    tx.rollback().await.unwrap();
+
+    assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 2_000);
+    assert_eq!(customer_transfer_count(&app.pool).await, 1);
+    assert_ledger_consistent(&app.pool).await;
+}
+
+/// The owned parts of a batch of USD transfers from A to B.
+struct Postings<'a> {
+    principal: uuid::Uuid,
+    keys: &'a [String],
+    amounts: Vec<AmountMinor>,
+    fingerprints: Vec<[u8; 32]>,
+    usd: Currency,
+}
+
+impl<'a> Postings<'a> {
+    fn new(principal: uuid::Uuid, keys: &'a [String], amounts: &[i64]) -> Self {
+        Self {
+            principal,
+            keys,
+            amounts: amounts
+                .iter()
+                .map(|a| AmountMinor::parse(*a).unwrap())
+                .collect(),
+            fingerprints: (0..keys.len())
+                .map(|i| [u8::try_from(i).unwrap(); 32])
+                .collect(),
+            usd: Currency::parse("USD").unwrap(),
+        }
+    }
+
+    fn requests(&self) -> Vec<PostingRequest<'_>> {
+        self.keys
+            .iter()
+            .zip(&self.amounts)
+            .zip(&self.fingerprints)
+            .map(|((key, amount), fingerprint)| PostingRequest {
+                principal_id: Some(self.principal),
+                idempotency_key: key,
+                fingerprint,
+                from: A_USD,
+                to: B_USD,
+                amount: *amount,
+                currency: &self.usd,
+                description: None,
+            })
+            .collect()
     }
 }

@@ -19,7 +19,7 @@ use crate::idempotency::{
     OperationError, Scope, StoredResponse,
 };
 use crate::ledger::{
-    self, Account, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
+    self, AccountId, AmountMinor, Currency, Description, LedgerError, PostingOutcome,
     PostingRequest, Transfer,
 };
 use crate::telemetry;
@@ -398,40 +398,6 @@ impl TransferOperation {
 }
 
 impl super::batch::Posting for TransferOperation {
-    fn accounts(&self) -> [&str; 2] {
-        [self.intent.from.as_str(), self.intent.to.as_str()]
-    }
-
-    async fn execute_locked(
-        &self,
-        conn: &mut PgConnection,
-        accounts: &mut [Account],
-    ) -> Result<Completion, OperationError> {
-        let outcome = ledger::repo::post_locked(conn, &self.request(), accounts).await;
-        self.completion(outcome)
-    }
-}
-
-impl Operation for TransferOperation {
-    async fn execute(&self, conn: &mut PgConnection) -> Result<Completion, OperationError> {
-        let outcome = ledger::repo::post_transfer(conn, &self.request()).await;
-        self.completion(outcome)
-    }
-
-    fn committed(&self) {
-        let decision = match self.decision.lock() {
-            Ok(guard) => *guard,
-            Err(poisoned) => *poisoned.into_inner(),
-        };
-        match decision {
-            Some(Decision::Posted) => telemetry::transfer_posted(),
-            Some(Decision::Rejected(reason)) => telemetry::transfer_rejected(reason),
-            Some(Decision::AlreadyPosted) | None => {}
-        }
-    }
-}
-
-impl TransferOperation {
     fn request(&self) -> PostingRequest<'_> {
         PostingRequest {
             principal_id: Some(self.principal_id),
@@ -475,6 +441,27 @@ impl TransferOperation {
             PostingOutcome::AlreadyPosted(_) => rejected(self, ApiError::IdempotencyKeyReused),
             PostingOutcome::InsufficientFunds => rejected(self, ApiError::InsufficientFunds),
         })
+    }
+}
+
+use super::batch::Posting as _;
+
+impl Operation for TransferOperation {
+    async fn execute(&self, conn: &mut PgConnection) -> Result<Completion, OperationError> {
+        let outcome = ledger::repo::post_transfer(conn, &self.request()).await;
+        self.completion(outcome)
+    }
+
+    fn committed(&self) {
+        let decision = match self.decision.lock() {
+            Ok(guard) => *guard,
+            Err(poisoned) => *poisoned.into_inner(),
+        };
+        match decision {
+            Some(Decision::Posted) => telemetry::transfer_posted(),
+            Some(Decision::Rejected(reason)) => telemetry::transfer_rejected(reason),
+            Some(Decision::AlreadyPosted) | None => {}
+        }
     }
 }
 

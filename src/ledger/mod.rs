@@ -19,6 +19,10 @@ pub enum LedgerError {
         account: String,
         account_currency: String,
     },
+    /// A batch posting wrote something other than what was planned under
+    /// the accounts' locks; the caller must roll back.
+    #[error("posting statement disagreed with its plan: {0}")]
+    PlanMismatch(String),
     #[error("database error")]
     Database(#[from] sqlx::Error),
 }

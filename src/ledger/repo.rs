@@ -1,5 +1,7 @@
 //! All SQL on accounts, transfers and ledger entries.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
@@ -95,125 +97,327 @@ pub async fn post_transfer(
     request: &PostingRequest<'_>,
 ) -> Result<PostingOutcome, LedgerError> {
     let mut accounts = lock_accounts(&mut *conn, &[request.from, request.to]).await?;
-    post_locked(conn, request, &mut accounts).await
+    let mut outcomes = post_locked(conn, std::slice::from_ref(request), &mut accounts).await?;
+    outcomes
+        .pop()
+        .ok_or_else(|| LedgerError::PlanMismatch("no outcome for the transfer".to_owned()))
 }
 
-/// Posts one transfer whose accounts the caller's transaction has already
-/// locked (a batch locks all of its accounts at once); `accounts` holds them
-/// with their current balances, and is kept current: a posting updates the
-/// two balances it moved, so the next posting of the batch checks its funds
-/// against them without reading the rows again.
+/// A transfer decided under the accounts' locks, before anything is written.
+enum Plan {
+    Post {
+        id: Uuid,
+        receipt_id: String,
+        debit_balance_after: i64,
+        credit_balance_after: i64,
+    },
+    InsufficientFunds,
+}
+
+/// What one statement wrote for a transfer.
+#[derive(sqlx::FromRow)]
+struct Written {
+    id: Uuid,
+    created_at: DateTime<Utc>,
+    status: String,
+    debit_entry_id: Option<i64>,
+    credit_entry_id: Option<i64>,
+    accounts_moved: i64,
+}
+
+/// Posts transfers whose accounts the caller's transaction has already
+/// locked (a batch locks all of its accounts at once), in order, as if one
+/// by one: each checks its funds against the balances the earlier ones
+/// left. `accounts` holds the locked accounts with their current balances
+/// and is kept current.
+///
+/// Everything is decided here, under the locks, and then written by one
+/// statement whatever the number of transfers: one round trip for a batch
+/// instead of one per transfer, which is what bounds throughput on a small,
+/// CPU-bound database machine and how fast a hot account's queue drains.
+/// The statement writes the transfers, their entries (each with the balance
+/// its account was left with) and the balances, and checks that every
+/// balance it moved ends where the plan said.
+///
+/// A transfer whose principal and key already have a transfer (its record
+/// was purged and the client retried late, or an operator repeated a
+/// deposit) is not inserted: alone, it comes back `AlreadyPosted`; among
+/// others, the batch fails and the caller rolls it back and posts one by
+/// one, as for any error.
 pub async fn post_locked(
     conn: &mut PgConnection,
-    request: &PostingRequest<'_>,
+    requests: &[PostingRequest<'_>],
     accounts: &mut [Account],
-) -> Result<PostingOutcome, LedgerError> {
-    let find = |id: &str| {
+) -> Result<Vec<PostingOutcome>, LedgerError> {
+    let opening: Vec<i64> = accounts.iter().map(|a| a.balance_minor).collect();
+    let plans = plan(requests, accounts)?;
+    let posted: Vec<(&PostingRequest<'_>, &Plan)> = requests
+        .iter()
+        .zip(&plans)
+        .filter(|(_, plan)| matches!(plan, Plan::Post { .. }))
+        .collect();
+    let written = if posted.is_empty() {
+        Vec::new()
+    } else {
+        write_planned(&mut *conn, &posted, accounts, &opening).await?
+    };
+
+    if let [request] = requests
+        && !posted.is_empty()
+        && written.is_empty()
+    {
+        // Not inserted: the key already has its transfer.
+        for (account, balance) in accounts.iter_mut().zip(opening) {
+            account.balance_minor = balance;
+        }
+        return match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await? {
+            Some(existing) => Ok(vec![PostingOutcome::AlreadyPosted(existing)]),
+            None => Err(LedgerError::Database(sqlx::Error::RowNotFound)),
+        };
+    }
+    let changed = accounts
+        .iter()
+        .zip(&opening)
+        .filter(|(account, balance)| account.balance_minor != **balance)
+        .count();
+    if written.len() != posted.len()
+        || written
+            .iter()
+            .any(|w| usize::try_from(w.accounts_moved).ok() != Some(changed))
+    {
+        return Err(LedgerError::PlanMismatch(format!(
+            "{} of {} transfers written, {changed} accounts planned to move",
+            written.len(),
+            posted.len()
+        )));
+    }
+
+    let mut written: HashMap<Uuid, Written> = written.into_iter().map(|w| (w.id, w)).collect();
+    let mut outcomes = Vec::with_capacity(requests.len());
+    for (request, plan) in requests.iter().zip(plans) {
+        let outcome = match plan {
+            Plan::Post { id, receipt_id, .. } => {
+                let Some(Written {
+                    created_at,
+                    status,
+                    debit_entry_id: Some(debit_entry_id),
+                    credit_entry_id: Some(credit_entry_id),
+                    ..
+                }) = written.remove(&id)
+                else {
+                    return Err(LedgerError::PlanMismatch(format!(
+                        "transfer {id} written without its entries"
+                    )));
+                };
+                // The row as written, built from what was sent and what came
+                // back instead of read again.
+                PostingOutcome::Posted(Transfer {
+                    id,
+                    principal_id: request.principal_id,
+                    request_fingerprint: request.fingerprint.to_vec(),
+                    from_account: request.from.to_owned(),
+                    to_account: request.to.to_owned(),
+                    currency: request.currency.as_str().to_owned(),
+                    amount_minor: request.amount.get(),
+                    description: request.description.map(|d| d.as_str().to_owned()),
+                    status,
+                    receipt_id,
+                    created_at,
+                    debit_entry_id,
+                    credit_entry_id,
+                })
+            }
+            // A late retry of an intent that already moved the money must
+            // find its transfer, not a rejection caused by that same debit.
+            Plan::InsufficientFunds => {
+                match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await?
+                {
+                    Some(existing) => PostingOutcome::AlreadyPosted(existing),
+                    None => PostingOutcome::InsufficientFunds,
+                }
+            }
+        };
+        outcomes.push(outcome);
+    }
+    Ok(outcomes)
+}
+
+/// Decides each transfer in order against the locked balances, moving them
+/// in `accounts` as it goes.
+fn plan(
+    requests: &[PostingRequest<'_>],
+    accounts: &mut [Account],
+) -> Result<Vec<Plan>, LedgerError> {
+    let position = |accounts: &[Account], id: &str| {
         accounts
             .iter()
-            .find(|a| a.id == id)
+            .position(|a| a.id == id)
             .ok_or_else(|| LedgerError::AccountNotFound(id.to_owned()))
     };
-    let (from, to) = (find(request.from)?, find(request.to)?);
-    for account in [from, to] {
-        if account.currency != request.currency.as_str() {
-            return Err(LedgerError::CurrencyMismatch {
-                transfer: request.currency.to_string(),
-                account: account.id.clone(),
-                account_currency: account.currency.clone(),
-            });
+    let mut plans = Vec::with_capacity(requests.len());
+    for request in requests {
+        let (from, to) = (
+            position(accounts, request.from)?,
+            position(accounts, request.to)?,
+        );
+        for account in [&accounts[from], &accounts[to]] {
+            if account.currency != request.currency.as_str() {
+                return Err(LedgerError::CurrencyMismatch {
+                    transfer: request.currency.to_string(),
+                    account: account.id.clone(),
+                    account_currency: account.currency.clone(),
+                });
+            }
+        }
+        let amount = request.amount.get();
+        let source = &accounts[from];
+        if !source.allow_negative && source.balance_minor < amount {
+            plans.push(Plan::InsufficientFunds);
+            continue;
+        }
+        accounts[from].balance_minor -= amount;
+        accounts[to].balance_minor += amount;
+        plans.push(Plan::Post {
+            id: Uuid::now_v7(),
+            receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
+            debit_balance_after: accounts[from].balance_minor,
+            credit_balance_after: accounts[to].balance_minor,
+        });
+    }
+    Ok(plans)
+}
+
+/// The one statement that writes planned transfers: the transfer rows, then
+/// (only if every one of them was inserted) their entries, debit before
+/// credit in plan order, and each moved balance by its net change, checked
+/// against the balance the plan ends with. The accounts are locked, so the
+/// foreign-key checks at the end of the statement find rows this
+/// transaction holds. Returns one row per inserted transfer.
+async fn write_planned(
+    conn: &mut PgConnection,
+    posted: &[(&PostingRequest<'_>, &Plan)],
+    accounts: &[Account],
+    opening: &[i64],
+) -> Result<Vec<Written>, sqlx::Error> {
+    let mut t = TransferColumns::default();
+    let mut e = EntryColumns::default();
+    for (request, plan) in posted {
+        let Plan::Post {
+            id,
+            receipt_id,
+            debit_balance_after,
+            credit_balance_after,
+        } = plan
+        else {
+            continue;
+        };
+        let amount = request.amount.get();
+        t.ids.push(*id);
+        t.principals.push(request.principal_id);
+        t.keys.push(request.idempotency_key);
+        t.fingerprints.push(request.fingerprint.as_slice());
+        t.froms.push(request.from);
+        t.tos.push(request.to);
+        t.currencies.push(request.currency.as_str());
+        t.amounts.push(amount);
+        t.descriptions
+            .push(request.description.map(Description::as_str));
+        t.receipts.push(receipt_id.as_str());
+        for (account, signed, after) in [
+            (request.from, -amount, *debit_balance_after),
+            (request.to, amount, *credit_balance_after),
+        ] {
+            e.transfers.push(*id);
+            e.accounts.push(account);
+            e.currencies.push(request.currency.as_str());
+            e.amounts.push(signed);
+            e.balances_after.push(after);
         }
     }
-
-    let amount = request.amount.get();
-    if !from.allow_negative && from.balance_minor < amount {
-        // A late retry of an intent that already moved the money must find
-        // its transfer, not a rejection caused by that same debit.
-        return Ok(
-            match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await? {
-                Some(existing) => PostingOutcome::AlreadyPosted(existing),
-                None => PostingOutcome::InsufficientFunds,
-            },
-        );
+    let (mut moved_ids, mut deltas, mut closing) = (Vec::new(), Vec::new(), Vec::new());
+    for (account, before) in accounts.iter().zip(opening) {
+        if account.balance_minor != *before {
+            moved_ids.push(account.id.as_str());
+            deltas.push(account.balance_minor - before);
+            closing.push(account.balance_minor);
+        }
     }
-
-    let transfer_id = Uuid::now_v7();
-    let receipt_id = format!("rcpt_{}", Uuid::new_v4().simple());
-    // One statement for the transfer row, both balances and both entries:
-    // one round trip instead of four, which is what bounds throughput on a
-    // small, CPU-bound database machine. The accounts are already locked
-    // above, so the foreign-key checks that fire at the end of the statement
-    // find rows this transaction holds. When the key already has a transfer
-    // the insert yields nothing, so neither do the balance update and the
-    // entries (they depend on it), and no row comes back.
-    let posted: Option<(DateTime<Utc>, String, i64, i64)> = sqlx::query_as(
+    let planned = i64::try_from(t.ids.len()).unwrap_or(i64::MAX);
+    sqlx::query_as(
         "WITH transfer AS (
              INSERT INTO transfers (id, principal_id, idempotency_key, request_fingerprint,
                                     from_account, to_account, currency, amount_minor, description, receipt_id)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::text[],
+                                  $6::text[], $7::text[], $8::int8[], $9::text[], $10::text[])
              ON CONFLICT (principal_id, idempotency_key) DO NOTHING
              RETURNING id, created_at, status
+         ), complete AS (
+             SELECT count(*) = $11 AS all_inserted FROM transfer
          ), moved AS (
-             UPDATE accounts
-             SET balance_minor = balance_minor + CASE WHEN id = $5 THEN -$8::bigint ELSE $8::bigint END
-             WHERE id IN ($5, $6) AND EXISTS (SELECT 1 FROM transfer)
-             RETURNING id, balance_minor
+             UPDATE accounts a SET balance_minor = a.balance_minor + m.delta
+             FROM unnest($12::text[], $13::int8[], $14::int8[]) AS m(id, delta, closing), complete
+             WHERE complete.all_inserted AND a.id = m.id AND a.balance_minor + m.delta = m.closing
+             RETURNING a.id
          ), entries AS (
-             -- Each entry records the balance its account was left with; the
-             -- debit is written first, as it always was.
              INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
-             SELECT t.id, m.id, $7, CASE WHEN m.id = $5 THEN -$8::bigint ELSE $8::bigint END, m.balance_minor
-             FROM transfer t CROSS JOIN moved m
-             ORDER BY m.id <> $5
-             RETURNING id, account_id
+             SELECT e.transfer_id, e.account_id, e.currency, e.amount_minor, e.balance_after
+             FROM unnest($15::uuid[], $16::text[], $17::text[], $18::int8[], $19::int8[])
+                  WITH ORDINALITY AS e(transfer_id, account_id, currency, amount_minor, balance_after, n),
+                  complete
+             WHERE complete.all_inserted
+             ORDER BY e.n
+             RETURNING id, transfer_id, amount_minor
          )
-         SELECT t.created_at, t.status,
-                (SELECT id FROM entries WHERE account_id = $5) AS debit_entry_id,
-                (SELECT id FROM entries WHERE account_id = $6) AS credit_entry_id
+         SELECT t.id, t.created_at, t.status,
+                (SELECT e.id FROM entries e WHERE e.transfer_id = t.id AND e.amount_minor < 0) AS debit_entry_id,
+                (SELECT e.id FROM entries e WHERE e.transfer_id = t.id AND e.amount_minor > 0) AS credit_entry_id,
+                (SELECT count(*) FROM moved) AS accounts_moved
          FROM transfer t",
     )
-    .bind(transfer_id)
-    .bind(request.principal_id)
-    .bind(request.idempotency_key)
-    .bind(request.fingerprint.as_slice())
-    .bind(request.from)
-    .bind(request.to)
-    .bind(request.currency.as_str())
-    .bind(amount)
-    .bind(request.description.map(Description::as_str))
-    .bind(&receipt_id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some((created_at, status, debit_entry_id, credit_entry_id)) = posted else {
-        return match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await? {
-            Some(existing) => Ok(PostingOutcome::AlreadyPosted(existing)),
-            None => Err(LedgerError::Database(sqlx::Error::RowNotFound)),
-        };
-    };
-    for account in accounts.iter_mut() {
-        if account.id == request.from {
-            account.balance_minor -= amount;
-        } else if account.id == request.to {
-            account.balance_minor += amount;
-        }
-    }
-    // The row as written, built from what was sent and what came back
-    // instead of read again.
-    Ok(PostingOutcome::Posted(Transfer {
-        id: transfer_id,
-        principal_id: request.principal_id,
-        request_fingerprint: request.fingerprint.to_vec(),
-        from_account: request.from.to_owned(),
-        to_account: request.to.to_owned(),
-        currency: request.currency.as_str().to_owned(),
-        amount_minor: amount,
-        description: request.description.map(|d| d.as_str().to_owned()),
-        status,
-        receipt_id,
-        created_at,
-        debit_entry_id,
-        credit_entry_id,
-    }))
+    .bind(&t.ids)
+    .bind(&t.principals)
+    .bind(&t.keys)
+    .bind(&t.fingerprints)
+    .bind(&t.froms)
+    .bind(&t.tos)
+    .bind(&t.currencies)
+    .bind(&t.amounts)
+    .bind(&t.descriptions)
+    .bind(&t.receipts)
+    .bind(planned)
+    .bind(&moved_ids)
+    .bind(&deltas)
+    .bind(&closing)
+    .bind(&e.transfers)
+    .bind(&e.accounts)
+    .bind(&e.currencies)
+    .bind(&e.amounts)
+    .bind(&e.balances_after)
+    .fetch_all(conn)
+    .await
+}
+
+#[derive(Default)]
+struct TransferColumns<'a> {
+    ids: Vec<Uuid>,
+    principals: Vec<Option<Uuid>>,
+    keys: Vec<&'a str>,
+    fingerprints: Vec<&'a [u8]>,
+    froms: Vec<&'a str>,
+    tos: Vec<&'a str>,
+    currencies: Vec<&'a str>,
+    amounts: Vec<i64>,
+    descriptions: Vec<Option<&'a str>>,
+    receipts: Vec<&'a str>,
+}
+
+#[derive(Default)]
+struct EntryColumns<'a> {
+    transfers: Vec<Uuid>,
+    accounts: Vec<&'a str>,
+    currencies: Vec<&'a str>,
+    amounts: Vec<i64>,
+    balances_after: Vec<i64>,
 }
 
 /// Locks accounts for the rest of the caller's transaction, in id order:
