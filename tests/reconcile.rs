@@ -486,3 +486,37 @@ async fn serve_refuses_a_back_to_back_schedule_and_a_guessable_admin_token(pool:
         "the token is not echoed: {stderr}"
     );
 }
+
+/// The ledger's checks alone (what the tests' ledger assertion and the load
+/// generator run) judge the money only: a stuck key record does not fail
+/// them, a missing credit does.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn the_ledger_checks_alone_ignore_key_records_and_find_broken_money(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let transfer_id = ordinary_traffic(&app).await;
+    let stuck = new_key();
+    claim_for_a(&app.pool, &stuck, &transfer(A_USD, B_USD, 10, "USD")).await;
+    tamper(&app.pool, "UPDATE idempotency_keys SET locked_until = now() - interval '1 minute' WHERE idempotency_key = $1", &stuck).await;
+
+    let healthy = reconcile::run_ledger_checks(&app.pool).await.unwrap();
+    assert!(healthy.ok, "{healthy}");
+    let checked: Vec<Check> = healthy.checks.iter().map(|c| c.check).collect();
+    assert_eq!(checked, Check::LEDGER);
+    assert!(
+        !reconcile(&app.pool).await.ok,
+        "the full run sees the stuck key"
+    );
+
+    tamper(
+        &app.pool,
+        "DELETE FROM ledger_entries WHERE transfer_id = $1::uuid AND amount_minor > 0",
+        &transfer_id.to_string(),
+    )
+    .await;
+    let broken = reconcile::run_ledger_checks(&app.pool).await.unwrap();
+    assert_eq!(
+        failing(&broken),
+        [(Check::TransferEntries, 1), (Check::AccountBalances, 1)],
+        "{broken}"
+    );
+}

@@ -2,7 +2,6 @@
 //! nothing of HTTP or of idempotency records; callers hand it a connection
 //! inside their transaction.
 
-pub mod audit;
 pub mod money;
 pub mod repo;
 

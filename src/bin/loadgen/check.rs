@@ -10,7 +10,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use nexo_transfers::ledger::audit::{self, Reconciliation};
+use nexo_transfers::reconcile::{self, Report};
 
 use crate::Error;
 use crate::run::{Answer, Observation};
@@ -21,7 +21,7 @@ const VIOLATION_EXAMPLES_MAX: usize = 10;
 
 #[derive(Debug, Serialize)]
 pub struct CheckReport {
-    pub ledger: Reconciliation,
+    pub ledger: Report,
     pub keys_checked: usize,
     /// Keys with a transfer in the ledger.
     pub keys_executed: usize,
@@ -33,18 +33,16 @@ pub struct CheckReport {
 
 impl CheckReport {
     pub fn passed(&self) -> bool {
-        self.ledger.is_consistent()
-            && self.violations == 0
-            && self.writes_during_replay != Some(true)
+        self.ledger.ok && self.violations == 0 && self.writes_during_replay != Some(true)
     }
 
     pub fn print(&self) {
         println!(
             "  ledger: {}; {} keys checked, {} executed, {} executed other than answered{}",
-            if self.ledger.is_consistent() {
+            if self.ledger.ok {
                 "reconciles".to_owned()
             } else {
-                format!("DOES NOT RECONCILE {:?}", self.ledger)
+                format!("DOES NOT RECONCILE\n{}", self.ledger)
             },
             self.keys_checked,
             self.keys_executed,
@@ -195,7 +193,7 @@ pub async fn check(
     let violation_count = violations.len();
     violations.truncate(VIOLATION_EXAMPLES_MAX);
     Ok(CheckReport {
-        ledger: audit::reconcile(pool).await?,
+        ledger: reconcile::run_ledger_checks(pool).await?,
         keys_checked: rows.len(),
         keys_executed: executed,
         violations: violation_count,
