@@ -41,11 +41,13 @@ use crate::ledger::{self, LedgerError, PostingOutcome, PostingRequest};
 /// transfer waits for its answer.
 pub const BATCH_TRANSFERS_MAX: usize = 32;
 
-/// How many batches may run at once. Each has one transaction in flight,
-/// so this many keep the database busy across a flush wait (group commit
-/// joins their flushes) while leaving the pool room for claims' neighbours;
-/// fewer would make larger batches but idle the database during flushes.
-pub const POSTING_SHARDS: u64 = 8;
+/// How many batches may run at once. Fewer shards make larger batches at a
+/// given concurrency, so fewer statements per transfer; on the benchmark
+/// machine's two cores, four beat eight by a third at 32 and 64 clients
+/// (1,842 and 2,457 against 1,391 and 1,953 new transfers/s) and two lost
+/// at 64 (docs/adr/ADR-006-performance.md). Four transactions in flight
+/// still join their flushes in group commit.
+pub const POSTING_SHARDS: u64 = 4;
 
 /// An operation that moves money between accounts, which a batch posts
 /// together with others.
