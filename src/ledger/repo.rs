@@ -442,14 +442,21 @@ async fn find_by_key(
     principal_id: Option<Uuid>,
     idempotency_key: &str,
 ) -> Result<Option<Transfer>, sqlx::Error> {
-    sqlx::query_as(concat!(
-        select_transfer!(),
-        " WHERE t.principal_id IS NOT DISTINCT FROM $1 AND t.idempotency_key = $2"
-    ))
-    .bind(principal_id)
-    .bind(idempotency_key)
-    .fetch_optional(conn)
-    .await
+    // Two statements, not `principal_id IS NOT DISTINCT FROM $1`: the planner
+    // cannot use the (principal_id, idempotency_key) index for that operator,
+    // and every refused overdraft would scan all transfers under its locks.
+    let query = match principal_id {
+        Some(principal_id) => sqlx::query_as(concat!(
+            select_transfer!(),
+            " WHERE t.principal_id = $1 AND t.idempotency_key = $2"
+        ))
+        .bind(principal_id),
+        None => sqlx::query_as(concat!(
+            select_transfer!(),
+            " WHERE t.principal_id IS NULL AND t.idempotency_key = $1"
+        )),
+    };
+    query.bind(idempotency_key).fetch_optional(conn).await
 }
 
 pub async fn get_transfer<'e>(
