@@ -39,6 +39,10 @@ SELECT (row_number() OVER (PARTITION BY currency ORDER BY id) - 1)::int AS n, id
 FROM accounts WHERE id LIKE 'acc\_b%';
 CREATE UNIQUE INDEX ON bench_accounts (currency, n);
 
+-- Transfers and their entries in one transaction: the database checks at
+-- commit that every transfer has its debit and its credit.
+BEGIN;
+
 -- Opening deposits: far more than any account sends in the run, so no
 -- customer balance ever goes below zero.
 INSERT INTO transfers (id, principal_id, idempotency_key, request_fingerprint, from_account,
@@ -76,6 +80,8 @@ FROM (SELECT id AS transfer_id, from_account AS account_id, currency, -amount_mi
       UNION ALL
       SELECT id, to_account, currency, amount_minor, created_at, 1 FROM transfers) e
 ORDER BY created_at, transfer_id, side;
+
+COMMIT;
 
 UPDATE accounts a SET balance_minor = s.total
 FROM (SELECT account_id, sum(amount_minor) AS total FROM ledger_entries GROUP BY account_id) s

@@ -169,7 +169,8 @@ async fn a_batch_posts_in_order_and_refuses_only_what_the_running_balance_cannot
 
 /// A key that already has its transfer: alone it is found, not posted again;
 /// inside a batch the whole batch fails, so the caller rolls it back and
-/// posts one by one.
+/// posts one by one. A caller that committed anyway would be refused by the
+/// database: the batch's other transfer row has no entries.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool: sqlx::PgPool) {
     let app = TestApp::spawn(pool).await;
@@ -194,10 +195,58 @@ async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool
         matches!(batch_result, Err(LedgerError::PlanMismatch(_))),
         "got {batch_result:?}"
     );
-    tx.rollback().await.unwrap();
+    let committed = tx.commit().await;
+    let refused = committed.expect_err("a transfer without entries must not commit");
+    assert!(
+        refused.to_string().contains("must commit with one debit"),
+        "{refused}"
+    );
 
     assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 2_000);
     assert_eq!(customer_transfer_count(&app.pool).await, 1);
+    assert_ledger_consistent(&app.pool).await;
+}
+
+/// Hand-written SQL cannot commit a transfer whose entries are not one debit
+/// and one credit of its amount either.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn the_database_refuses_to_commit_a_transfer_without_its_debit_and_credit(
+    pool: sqlx::PgPool,
+) {
+    let app = TestApp::spawn(pool).await;
+    let principal = principal_a(&app.pool).await;
+    let mut tx = app.pool.begin().await.unwrap();
+    let transfer_id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO transfers (id, principal_id, idempotency_key, request_fingerprint, from_account,
+                                to_account, currency, amount_minor, receipt_id)
+         VALUES ($1, $2, 'hand-written', sha256('x'), $3, $4, 'USD', 500, 'rcpt_hand_written')",
+    )
+    .bind(transfer_id)
+    .bind(principal)
+    .bind(A_USD)
+    .bind(B_USD)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    // Two debits: two entries, but no credit.
+    sqlx::query(
+        "INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
+         VALUES ($1, $2, 'USD', -500, 0), ($1, $3, 'USD', -500, 0)",
+    )
+    .bind(transfer_id)
+    .bind(A_USD)
+    .bind(B_USD)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+
+    let refused = tx.commit().await.expect_err("no credit, no commit");
+    assert!(
+        refused.to_string().contains("must commit with one debit"),
+        "{refused}"
+    );
+    assert_eq!(customer_transfer_count(&app.pool).await, 0);
     assert_ledger_consistent(&app.pool).await;
 }
 

@@ -15,7 +15,7 @@
 //! batch takes all of them (up to `BATCH_TRANSFERS_MAX`) into one
 //! transaction that locks every account involved in id order, posts every
 //! transfer in arrival order in one statement, completes every claim (each
-//! fenced by its own token) in another, then commits once: four round trips
+//! fenced by its own token) in another, then commits once: five round trips
 //! and one flush whatever the batch's size. Each transfer stays
 //! individually idempotent (its own key, its own stored answer), is durable
 //! before its answer (the reply is sent after the commit), and is refused

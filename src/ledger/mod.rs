@@ -18,6 +18,9 @@ pub enum LedgerError {
         account: String,
         account_currency: String,
     },
+    /// A posting would take a balance past what a 64-bit integer holds.
+    #[error("the balance of account {0} would be out of range")]
+    BalanceOutOfRange(String),
     /// A batch posting wrote something other than what was planned under
     /// the accounts' locks; the caller must roll back.
     #[error("posting statement disagreed with its plan: {0}")]

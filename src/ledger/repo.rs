@@ -149,8 +149,9 @@ pub async fn post_locked(
     requests: &[PostingRequest<'_>],
     accounts: &mut [Account],
 ) -> Result<Vec<PostingOutcome>, LedgerError> {
-    let opening: Vec<i64> = accounts.iter().map(|a| a.balance_minor).collect();
-    let plans = plan(requests, accounts)?;
+    // Planned on a copy: `accounts` changes only once the plan is written.
+    let mut closing = accounts.to_vec();
+    let plans = plan(requests, &mut closing)?;
     let posted: Vec<(&PostingRequest<'_>, &Plan)> = requests
         .iter()
         .zip(&plans)
@@ -159,7 +160,7 @@ pub async fn post_locked(
     let written = if posted.is_empty() {
         Vec::new()
     } else {
-        write_planned(&mut *conn, &posted, accounts, &opening).await?
+        write_planned(&mut *conn, &posted, accounts, &closing).await?
     };
 
     if let [request] = requests
@@ -167,19 +168,12 @@ pub async fn post_locked(
         && written.is_empty()
     {
         // Not inserted: the key already has its transfer.
-        for (account, balance) in accounts.iter_mut().zip(opening) {
-            account.balance_minor = balance;
-        }
         return match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await? {
             Some(existing) => Ok(vec![PostingOutcome::AlreadyPosted(existing)]),
             None => Err(LedgerError::Database(sqlx::Error::RowNotFound)),
         };
     }
-    let changed = accounts
-        .iter()
-        .zip(&opening)
-        .filter(|(account, balance)| account.balance_minor != **balance)
-        .count();
+    let changed = moved_accounts(accounts, &closing).count();
     if written.len() != posted.len()
         || written
             .iter()
@@ -193,6 +187,9 @@ pub async fn post_locked(
     }
 
     let mut written: HashMap<Uuid, Written> = written.into_iter().map(|w| (w.id, w)).collect();
+    // Entry ids rise in plan order, debit before credit: what the statement
+    // asks for, checked rather than assumed.
+    let mut last_entry_id = 0;
     let mut outcomes = Vec::with_capacity(requests.len());
     for (request, plan) in requests.iter().zip(plans) {
         let outcome = match plan {
@@ -209,6 +206,12 @@ pub async fn post_locked(
                         "transfer {id} written without its entries"
                     )));
                 };
+                if !(last_entry_id < debit_entry_id && debit_entry_id < credit_entry_id) {
+                    return Err(LedgerError::PlanMismatch(format!(
+                        "transfer {id} has entries {debit_entry_id} and {credit_entry_id} after entry {last_entry_id}"
+                    )));
+                }
+                last_entry_id = credit_entry_id;
                 // The row as written, built from what was sent and what came
                 // back instead of read again.
                 PostingOutcome::Posted(Transfer {
@@ -239,7 +242,21 @@ pub async fn post_locked(
         };
         outcomes.push(outcome);
     }
+    accounts.clone_from_slice(&closing);
     Ok(outcomes)
+}
+
+/// The accounts whose balance the plan changes, with their opening and
+/// closing balances.
+fn moved_accounts<'a>(
+    opening: &'a [Account],
+    closing: &'a [Account],
+) -> impl Iterator<Item = (&'a Account, i64)> + 'a {
+    opening
+        .iter()
+        .zip(closing)
+        .filter(|(before, after)| before.balance_minor != after.balance_minor)
+        .map(|(before, after)| (after, before.balance_minor))
 }
 
 /// Decides each transfer in order against the locked balances, moving them
@@ -275,8 +292,17 @@ fn plan(
             plans.push(Plan::InsufficientFunds);
             continue;
         }
-        accounts[from].balance_minor -= amount;
-        accounts[to].balance_minor += amount;
+        let out_of_range = |account: &Account| LedgerError::BalanceOutOfRange(account.id.clone());
+        let debited = accounts[from]
+            .balance_minor
+            .checked_sub(amount)
+            .ok_or_else(|| out_of_range(&accounts[from]))?;
+        let credited = accounts[to]
+            .balance_minor
+            .checked_add(amount)
+            .ok_or_else(|| out_of_range(&accounts[to]))?;
+        accounts[from].balance_minor = debited;
+        accounts[to].balance_minor = credited;
         plans.push(Plan::Post {
             id: Uuid::now_v7(),
             receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
@@ -289,15 +315,16 @@ fn plan(
 
 /// The one statement that writes planned transfers: the transfer rows, then
 /// (only if every one of them was inserted) their entries, debit before
-/// credit in plan order, and each moved balance by its net change, checked
-/// against the balance the plan ends with. The accounts are locked, so the
+/// credit in plan order, and each moved balance set to its planned closing
+/// balance, only where it still holds the opening balance read under the
+/// lock. The accounts are locked, so the
 /// foreign-key checks at the end of the statement find rows this
 /// transaction holds. Returns one row per inserted transfer.
 async fn write_planned(
     conn: &mut PgConnection,
     posted: &[(&PostingRequest<'_>, &Plan)],
-    accounts: &[Account],
-    opening: &[i64],
+    opening: &[Account],
+    closing: &[Account],
 ) -> Result<Vec<Written>, sqlx::Error> {
     let mut t = TransferColumns::default();
     let mut e = EntryColumns::default();
@@ -334,13 +361,11 @@ async fn write_planned(
             e.balances_after.push(after);
         }
     }
-    let (mut moved_ids, mut deltas, mut closing) = (Vec::new(), Vec::new(), Vec::new());
-    for (account, before) in accounts.iter().zip(opening) {
-        if account.balance_minor != *before {
-            moved_ids.push(account.id.as_str());
-            deltas.push(account.balance_minor - before);
-            closing.push(account.balance_minor);
-        }
+    let (mut moved_ids, mut openings, mut closings) = (Vec::new(), Vec::new(), Vec::new());
+    for (account, before) in moved_accounts(opening, closing) {
+        moved_ids.push(account.id.as_str());
+        openings.push(before);
+        closings.push(account.balance_minor);
     }
     let planned = i64::try_from(t.ids.len()).unwrap_or(i64::MAX);
     sqlx::query_as(
@@ -354,9 +379,9 @@ async fn write_planned(
          ), complete AS (
              SELECT count(*) = $11 AS all_inserted FROM transfer
          ), moved AS (
-             UPDATE accounts a SET balance_minor = a.balance_minor + m.delta
-             FROM unnest($12::text[], $13::int8[], $14::int8[]) AS m(id, delta, closing), complete
-             WHERE complete.all_inserted AND a.id = m.id AND a.balance_minor + m.delta = m.closing
+             UPDATE accounts a SET balance_minor = m.closing
+             FROM unnest($12::text[], $13::int8[], $14::int8[]) AS m(id, opening, closing), complete
+             WHERE complete.all_inserted AND a.id = m.id AND a.balance_minor = m.opening
              RETURNING a.id
          ), entries AS (
              INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
@@ -386,8 +411,8 @@ async fn write_planned(
     .bind(&t.receipts)
     .bind(planned)
     .bind(&moved_ids)
-    .bind(&deltas)
-    .bind(&closing)
+    .bind(&openings)
+    .bind(&closings)
     .bind(&e.transfers)
     .bind(&e.accounts)
     .bind(&e.currencies)
