@@ -51,6 +51,10 @@ pub enum Check {
     AccountBalances,
     /// The balances of each currency, funding accounts included, sum to zero.
     CurrencyTotals,
+    /// Each entry's `balance_after_minor` is the sum of its account's entries
+    /// up to and including it, in id order: the statement a customer reads
+    /// tells the same story as the balance.
+    EntryBalances,
     /// No idempotency key maps to more than one transfer: no two transfers
     /// share a (principal, key), and no key record points at a transfer
     /// created under another key.
@@ -66,10 +70,11 @@ pub enum Check {
 }
 
 impl Check {
-    pub const ALL: [Check; 7] = [
+    pub const ALL: [Check; 8] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
+        Check::EntryBalances,
         Check::KeyTransfers,
         Check::CompletedKeyTransfer,
         Check::TransferKeyRecord,
@@ -79,10 +84,11 @@ impl Check {
     /// The checks on the ledger alone: they hold whatever state the
     /// idempotency records are in, so tests that leave records half-done on
     /// purpose, and the load generator, check the money with them.
-    pub const LEDGER: [Check; 3] = [
+    pub const LEDGER: [Check; 4] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
+        Check::EntryBalances,
     ];
 
     /// The stable name used in reports and as the `check` metric label.
@@ -91,6 +97,7 @@ impl Check {
             Check::TransferEntries => "transfer_entries",
             Check::AccountBalances => "account_balances",
             Check::CurrencyTotals => "currency_totals",
+            Check::EntryBalances => "entry_balances",
             Check::KeyTransfers => "key_transfers",
             Check::CompletedKeyTransfer => "completed_key_transfer",
             Check::TransferKeyRecord => "transfer_key_record",
@@ -106,6 +113,9 @@ impl Check {
             Check::AccountBalances => "every account balance equals the sum of its entries",
             Check::CurrencyTotals => {
                 "the balances of each currency sum to zero (funding accounts included)"
+            }
+            Check::EntryBalances => {
+                "every entry's balance after equals the sum of its account's entries up to it"
             }
             Check::KeyTransfers => "no idempotency key maps to more than one transfer",
             Check::CompletedKeyTransfer => {
@@ -125,6 +135,7 @@ impl Check {
             Check::TransferEntries => &["transfer_id"],
             Check::AccountBalances => &["account_id"],
             Check::CurrencyTotals => &["currency"],
+            Check::EntryBalances => &["entry_id", "account_id"],
             Check::KeyTransfers | Check::CompletedKeyTransfer | Check::KeysStuckInProgress => {
                 &["principal_id", "idempotency_key"]
             }
@@ -194,6 +205,24 @@ impl Check {
                  GROUP BY currency
                  HAVING sum(balance_minor) <> 0
                  ORDER BY currency
+                 LIMIT $1"
+            }
+            // MATERIALIZED for the same reason as the account balances: one
+            // sorted pass over the entries instead of an index walk.
+            Check::EntryBalances => {
+                "WITH running AS MATERIALIZED (
+                     SELECT id, account_id, balance_after_minor,
+                            sum(amount_minor) OVER (PARTITION BY account_id ORDER BY id) AS running_total
+                     FROM ledger_entries
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[id::text, account_id] AS ids,
+                        format('balance after %s (the sum of the account''s entries up to this one)',
+                               running_total) AS expected,
+                        format('balance after %s', balance_after_minor) AS found
+                 FROM running
+                 WHERE balance_after_minor <> running_total
+                 ORDER BY id
                  LIMIT $1"
             }
             // As for transfer entries: counting finds the bad keys, and only

@@ -215,6 +215,37 @@ async fn a_missing_credit_is_a_broken_transfer_and_a_drifted_balance(pool: PgPoo
     );
 }
 
+/// A statement line that tells another story than the entries: the balance
+/// is right, the entry's recorded balance after is not.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn an_entry_whose_balance_after_is_not_the_running_sum_is_found(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let transfer_id = ordinary_traffic(&app).await;
+    let credit_entry_id: i64 = sqlx::query_scalar(
+        "SELECT id FROM ledger_entries WHERE transfer_id = $1 AND amount_minor > 0",
+    )
+    .bind(transfer_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    tamper(
+        &app.pool,
+        "UPDATE ledger_entries SET balance_after_minor = balance_after_minor + 7 WHERE id = $1::bigint",
+        &credit_entry_id.to_string(),
+    )
+    .await;
+
+    let report = reconcile(&app.pool).await;
+    let found = sole_failure(&report, Check::EntryBalances);
+    assert_eq!(found.ids["entry_id"], credit_entry_id.to_string());
+    assert_eq!(found.ids["account_id"], B_USD);
+    assert_eq!(
+        found.expected,
+        "balance after 1500 (the sum of the account's entries up to this one)"
+    );
+    assert_eq!(found.found, "balance after 1507");
+}
+
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn a_balance_edited_by_hand_breaks_its_account_and_its_currency(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
