@@ -8,6 +8,9 @@
 #
 # The server's log is kept in target/ci-logs/NAME-server.log.
 
+# The same default as .ci/run and .cargo/config.toml, so a step runs alone.
+DATABASE_URL="${DATABASE_URL:-postgres://postgres:postgres@localhost:5432/nexo_transfers}"
+
 # How long the server may take to migrate, load the demo data and listen.
 SERVER_START_TIMEOUT_SECS=60
 # How long a SIGTERM'd server may take to drain before it is killed.
