@@ -12,6 +12,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::AppState;
+use super::batch::Posting as _;
 use super::error::{ApiError, ValidationKind};
 use super::extract::{PathParam, Principal, StrictJson};
 use crate::idempotency::{
@@ -443,8 +444,6 @@ impl super::batch::Posting for TransferOperation {
         })
     }
 }
-
-use super::batch::Posting as _;
 
 impl Operation for TransferOperation {
     async fn execute(&self, conn: &mut PgConnection) -> Result<Completion, OperationError> {

@@ -105,13 +105,16 @@ pub async fn post_transfer(
 
 /// A transfer decided under the accounts' locks, before anything is written.
 enum Plan {
-    Post {
-        id: Uuid,
-        receipt_id: String,
-        debit_balance_after: i64,
-        credit_balance_after: i64,
-    },
+    Post(Planned),
     InsufficientFunds,
+}
+
+/// A transfer to write, with the balances its two entries record.
+struct Planned {
+    id: Uuid,
+    receipt_id: String,
+    debit_balance_after: i64,
+    credit_balance_after: i64,
 }
 
 /// What one statement wrote for a transfer.
@@ -152,10 +155,13 @@ pub async fn post_locked(
     // Planned on a copy: `accounts` changes only once the plan is written.
     let mut closing = accounts.to_vec();
     let plans = plan(requests, &mut closing)?;
-    let posted: Vec<(&PostingRequest<'_>, &Plan)> = requests
+    let posted: Vec<(&PostingRequest<'_>, &Planned)> = requests
         .iter()
         .zip(&plans)
-        .filter(|(_, plan)| matches!(plan, Plan::Post { .. }))
+        .filter_map(|(request, plan)| match plan {
+            Plan::Post(planned) => Some((request, planned)),
+            Plan::InsufficientFunds => None,
+        })
         .collect();
     let written = if posted.is_empty() {
         Vec::new()
@@ -193,7 +199,7 @@ pub async fn post_locked(
     let mut outcomes = Vec::with_capacity(requests.len());
     for (request, plan) in requests.iter().zip(plans) {
         let outcome = match plan {
-            Plan::Post { id, receipt_id, .. } => {
+            Plan::Post(Planned { id, receipt_id, .. }) => {
                 let Some(Written {
                     created_at,
                     status,
@@ -303,12 +309,12 @@ fn plan(
             .ok_or_else(|| out_of_range(&accounts[to]))?;
         accounts[from].balance_minor = debited;
         accounts[to].balance_minor = credited;
-        plans.push(Plan::Post {
+        plans.push(Plan::Post(Planned {
             id: Uuid::now_v7(),
             receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
-            debit_balance_after: accounts[from].balance_minor,
-            credit_balance_after: accounts[to].balance_minor,
-        });
+            debit_balance_after: debited,
+            credit_balance_after: credited,
+        }));
     }
     Ok(plans)
 }
@@ -317,27 +323,24 @@ fn plan(
 /// (only if every one of them was inserted) their entries, debit before
 /// credit in plan order, and each moved balance set to its planned closing
 /// balance, only where it still holds the opening balance read under the
-/// lock. The accounts are locked, so the
-/// foreign-key checks at the end of the statement find rows this
-/// transaction holds. Returns one row per inserted transfer.
+/// lock. The accounts are locked, so the foreign-key checks at the end of
+/// the statement find rows this transaction holds. Returns one row per
+/// inserted transfer.
 async fn write_planned(
     conn: &mut PgConnection,
-    posted: &[(&PostingRequest<'_>, &Plan)],
+    posted: &[(&PostingRequest<'_>, &Planned)],
     opening: &[Account],
     closing: &[Account],
 ) -> Result<Vec<Written>, sqlx::Error> {
     let mut t = TransferColumns::default();
     let mut e = EntryColumns::default();
-    for (request, plan) in posted {
-        let Plan::Post {
+    for (request, planned) in posted {
+        let Planned {
             id,
             receipt_id,
             debit_balance_after,
             credit_balance_after,
-        } = plan
-        else {
-            continue;
-        };
+        } = planned;
         let amount = request.amount.get();
         t.ids.push(*id);
         t.principals.push(request.principal_id);
