@@ -8,9 +8,11 @@ use uuid::Uuid;
 
 use crate::auth;
 use crate::idempotency::Fingerprint;
+use crate::ledger::repo::Settled;
 use crate::ledger::{
-    self, AccountId, AmountMinor, Currency, LedgerError, PostingOutcome, PostingRequest, Transfer,
+    self, AccountId, AmountMinor, Currency, LedgerError, PostingRequest, Transfer,
 };
+use crate::principal::PrincipalId;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -52,7 +54,7 @@ impl From<LedgerError> for AdminError {
 /// A new principal and its token, shown once: only its hash is stored.
 #[derive(Debug, Serialize)]
 pub struct NewPrincipal {
-    pub principal_id: Uuid,
+    pub principal_id: PrincipalId,
     pub name: String,
     pub token: String,
 }
@@ -60,7 +62,7 @@ pub struct NewPrincipal {
 pub async fn create_principal(pool: &PgPool, name: &str) -> Result<NewPrincipal, AdminError> {
     check_principal_name(name)?;
     let token = auth::generate_token();
-    let id: Option<Uuid> = sqlx::query_scalar(
+    let id: Option<PrincipalId> = sqlx::query_scalar(
         "INSERT INTO principals (id, name, token_sha256) VALUES ($1, $2, $3)
          ON CONFLICT (name) DO NOTHING RETURNING id",
     )
@@ -87,7 +89,11 @@ fn check_principal_name(name: &str) -> Result<(), AdminError> {
 
 /// Makes sure a principal with this name and token exists; running it again
 /// changes nothing. For fixtures, whose tokens are fixed.
-pub async fn ensure_principal(pool: &PgPool, name: &str, token: &str) -> Result<Uuid, AdminError> {
+pub async fn ensure_principal(
+    pool: &PgPool,
+    name: &str,
+    token: &str,
+) -> Result<PrincipalId, AdminError> {
     check_principal_name(name)?;
     let hash = auth::token_sha256(token);
     sqlx::query(
@@ -99,7 +105,7 @@ pub async fn ensure_principal(pool: &PgPool, name: &str, token: &str) -> Result<
     .bind(hash.as_slice())
     .execute(pool)
     .await?;
-    let (id, stored): (Uuid, Vec<u8>) =
+    let (id, stored): (PrincipalId, Vec<u8>) =
         sqlx::query_as("SELECT id, token_sha256 FROM principals WHERE name = $1")
             .bind(name)
             .fetch_one(pool)
@@ -112,7 +118,7 @@ pub async fn ensure_principal(pool: &PgPool, name: &str, token: &str) -> Result<
     Ok(id)
 }
 
-async fn principal_id_by_name(pool: &PgPool, name: &str) -> Result<Uuid, AdminError> {
+async fn principal_id_by_name(pool: &PgPool, name: &str) -> Result<PrincipalId, AdminError> {
     sqlx::query_scalar("SELECT id FROM principals WHERE name = $1")
         .bind(name)
         .fetch_optional(pool)
@@ -226,17 +232,14 @@ pub async fn deposit(
     let mut tx = pool.begin().await?;
     let outcome = ledger::repo::post_transfer(&mut tx, &request).await?;
     tx.commit().await?;
-    let (transfer, already_posted): (Transfer, bool) = match outcome {
-        PostingOutcome::Posted(t) => (t, false),
-        PostingOutcome::AlreadyPosted(t)
-            if t.request_fingerprint.as_slice() == fingerprint.as_bytes() =>
-        {
-            (t, true)
-        }
-        PostingOutcome::AlreadyPosted(_) => {
+    let (transfer, already_posted): (Transfer, bool) = match outcome.settle(fingerprint.as_bytes())
+    {
+        Settled::Posted(t) => (t, false),
+        Settled::Replayed(t) => (t, true),
+        Settled::KeyUsedByOther(_) => {
             return Err(AdminError::ReferenceReused(reference.to_owned()));
         }
-        PostingOutcome::InsufficientFunds => {
+        Settled::InsufficientFunds => {
             return Err(AdminError::Ledger(
                 "the funding account refused the deposit".to_owned(),
             ));

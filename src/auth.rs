@@ -3,7 +3,8 @@
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 use sqlx::PgExecutor;
-use uuid::Uuid;
+
+use crate::principal::PrincipalId;
 
 /// Longest token accepted in a header; anything longer is rejected before
 /// hashing. Generated tokens are 68 characters.
@@ -41,7 +42,7 @@ pub fn generate_token() -> String {
 pub async fn principal_for_token<'e>(
     executor: impl PgExecutor<'e>,
     token: &str,
-) -> Result<Option<Uuid>, sqlx::Error> {
+) -> Result<Option<PrincipalId>, sqlx::Error> {
     sqlx::query_scalar("SELECT id FROM principals WHERE token_sha256 = $1")
         .bind(token_sha256(token).as_slice())
         .fetch_optional(executor)

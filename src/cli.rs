@@ -226,6 +226,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
 
 async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let policy = config.idempotency.policy()?;
+    let posting = config.posting.validated()?;
     let pool = connect(db).await?;
     if config.demo {
         admin::load_demo(&pool)
@@ -246,6 +247,7 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
         AppConfig {
             idempotency: policy,
             http: config.http.clone(),
+            posting,
         },
     )
     .await
@@ -270,7 +272,7 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             let options = reconcile::Options {
                 key_ttl: policy.ttl,
             };
-            Some(tokio::spawn(reconcile::run_periodically(
+            Some(tokio::spawn(reconcile_periodically(
                 reconcile_pool,
                 every,
                 options,
@@ -289,10 +291,20 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     for task in [purge, reconciliation].into_iter().flatten() {
         task.abort();
     }
-    pool.close().await;
+    // Every claim has ended by now; a connection stuck in the database must
+    // not hold the exit.
+    if tokio::time::timeout(POOL_CLOSE_TIMEOUT, pool.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!("database connections still busy at exit, leaving them");
+    }
     tracing::info!("stopped");
     served
 }
+
+/// How long `serve` waits for its database connections to close at exit.
+pub const POOL_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A single read-only snapshot, without creating the database or migrating
 /// it: a check must not change what it checks.
@@ -338,6 +350,44 @@ async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {
             Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
             Err(e) => tracing::warn!(error = %e, "purge of expired idempotency records failed"),
         }
+    }
+}
+
+/// Runs the reconciliation every `every`, logs and meters each result, and
+/// leaves it in `cell`. The first run starts one interval after start-up, so
+/// a fleet restarting together does not scan the ledger all at once.
+pub async fn reconcile_periodically(
+    pool: PgPool,
+    every: Duration,
+    options: reconcile::Options,
+    cell: Arc<reconcile::LastRunCell>,
+) {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let result = reconcile::run(&pool, options).await;
+        crate::telemetry::reconciliation(&result);
+        match &result {
+            Ok(report) if report.ok => {
+                tracing::info!(
+                    duration_ms = report.duration_ms,
+                    "reconciliation: all checks hold"
+                );
+            }
+            Ok(report) => {
+                for check in report.checks.iter().filter(|c| !c.holds()) {
+                    tracing::error!(
+                        check = check.check.name(),
+                        found = check.discrepancies_total,
+                        first = ?check.discrepancies.first(),
+                        "reconciliation found discrepancies"
+                    );
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "reconciliation could not run"),
+        }
+        cell.record(result);
     }
 }
 

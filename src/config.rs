@@ -68,6 +68,71 @@ pub struct HttpConfig {
     pub request_timeout: Duration,
 }
 
+/// The posting layer's bounds and the shutdown's deadline.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct PostingConfig {
+    /// Longest a transfer waits for its accounts: in this instance's queue
+    /// behind work on the same accounts, and again for a row lock held
+    /// elsewhere (an operator's transaction, another instance). Past it the
+    /// key is marked FAILED and the client gets 503 with Retry-After.
+    /// Transfers on other accounts never wait behind it.
+    #[arg(long, env = "NEXO_POSTING_LOCK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub posting_lock_timeout: Duration,
+    /// On SIGTERM or SIGINT: how long queued transfers may still be posted
+    /// before what is left is marked FAILED (retryable) and the process
+    /// exits. Keep it under the orchestrator's kill grace period.
+    #[arg(long, env = "NEXO_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
+    /// Transfers (groups of transfers sharing accounts) that may wait for a
+    /// row lock held elsewhere at once; more are refused at once with 503.
+    /// Each waiter holds a connection of the pool, so the default, half of
+    /// NEXO_DB_POOL_MAX, leaves the other half to transfers on other
+    /// accounts. Set it to the pool's size only to accept that locked
+    /// accounts may exhaust the pool (every request is then still answered
+    /// within NEXO_DB_ACQUIRE_TIMEOUT).
+    #[arg(long, env = "NEXO_POSTING_LOCK_WAITERS_MAX",
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub posting_lock_waiters_max: Option<u32>,
+}
+
+impl PostingConfig {
+    /// A lock timeout longer than the lease is allowed: a retry may then
+    /// take the key over while the first request still waits, and the
+    /// first request's completion is fenced out, so money still moves once.
+    pub fn validated(self) -> Result<Self, String> {
+        if self.posting_lock_timeout < POSTING_LOCK_TIMEOUT_MIN {
+            return Err(format!(
+                "NEXO_POSTING_LOCK_TIMEOUT must be at least {}ms",
+                POSTING_LOCK_TIMEOUT_MIN.as_millis()
+            ));
+        }
+        if self.shutdown_timeout > SHUTDOWN_TIMEOUT_MAX {
+            return Err(format!(
+                "NEXO_SHUTDOWN_TIMEOUT must be at most {}s",
+                SHUTDOWN_TIMEOUT_MAX.as_secs()
+            ));
+        }
+        Ok(self)
+    }
+}
+
+impl Default for PostingConfig {
+    fn default() -> Self {
+        Self {
+            posting_lock_timeout: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(10),
+            posting_lock_waiters_max: None,
+        }
+    }
+}
+
+/// Shorter lock waits would fail transfers behind an ordinary batch of
+/// another instance (milliseconds).
+pub const POSTING_LOCK_TIMEOUT_MIN: Duration = Duration::from_millis(100);
+
+/// A shutdown longer than this outlives any orchestrator's grace period.
+pub const SHUTDOWN_TIMEOUT_MAX: Duration = Duration::from_secs(300);
+
 /// Per-principal rate limits: past them a request gets 429 with
 /// `Retry-After`, before it touches an idempotency key.
 #[derive(Debug, Clone, Copy, clap::Args)]
@@ -165,6 +230,8 @@ pub struct ServeConfig {
     pub operations: OperationsConfig,
     #[command(flatten)]
     pub rate_limit: RateLimitConfig,
+    #[command(flatten)]
+    pub posting: PostingConfig,
 }
 
 /// Durations in humantime form: `30s`, `5m`, `24h`, `1h 30m`.

@@ -6,11 +6,19 @@
 //!
 //! - [`http`]: routes, extractors, the problem+json error mapping and the
 //!   middleware stack. Builds the router ([`http::app`]) that tests mount.
+//!   Each handler extracts, calls a service, and maps the result.
+//! - [`transfers`]: the transfers service below HTTP: a request's intent and
+//!   fingerprint, the checks before its claim, and the posting layer that
+//!   queues, batches and bounds every posting so each claim ends.
 //! - [`idempotency`]: the `Idempotency-Key` header, request fingerprints, and
 //!   the store that claims keys insert-first and completes them, fenced,
 //!   inside the caller's transaction.
-//! - [`ledger`]: money types and the double-entry posting. Knows nothing of
-//!   HTTP or idempotency records.
+//! - [`ledger`]: money types, the pure planning of postings, and the
+//!   double-entry writes. Knows nothing of HTTP or idempotency records.
+//! - [`problem`]: problem+json documents as exact bytes (stored rejections
+//!   are replayed byte for byte).
+//! - [`caches`]: bounded in-memory lookups (tokens, accounts, replays).
+//! - [`principal`]: the caller's id.
 //! - [`admin`]: operator actions (principals, accounts, deposits, demo data).
 //! - [`auth`]: bearer tokens, stored only as SHA-256.
 //! - [`config`], [`db`], [`cli`]: settings, connection and migrations, and
@@ -21,11 +29,15 @@
 
 pub mod admin;
 pub mod auth;
+pub mod caches;
 pub mod cli;
 pub mod config;
 pub mod db;
 pub mod http;
 pub mod idempotency;
 pub mod ledger;
+pub mod principal;
+pub mod problem;
 pub mod reconcile;
 pub mod telemetry;
+pub mod transfers;

@@ -13,6 +13,7 @@ use common::*;
 use nexo_transfers::http::docs;
 use nexo_transfers::http::error::{ApiError, PROBLEM_TYPE_BASE, ValidationKind};
 use nexo_transfers::idempotency::KeyError;
+use nexo_transfers::transfers::RetryReason;
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -337,6 +338,7 @@ fn every_api_error() -> Vec<ApiError> {
             retry_after_secs: 1,
         },
         ApiError::ServiceUnavailable,
+        ApiError::NotPostedNow(RetryReason::LockTimeout),
         ApiError::Internal,
     ]);
     for error in &errors {
@@ -355,6 +357,7 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::InsufficientFunds
             | ApiError::RateLimited { .. }
             | ApiError::ServiceUnavailable
+            | ApiError::NotPostedNow(_)
             | ApiError::Internal => {}
         }
     }

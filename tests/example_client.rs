@@ -14,8 +14,10 @@ use std::time::Duration;
 
 use common::proxy::{Behaviour, TcpProxy, http_body};
 use common::*;
-use nexo_transfers::http::transfers::{ROUTE, TransferBody, TransferIntent};
-use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, Policy, Scope, store};
+use nexo_transfers::db::KeyPool;
+use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, Policy, store};
+use nexo_transfers::principal::PrincipalId;
+use nexo_transfers::transfers::intent::{ROUTE, TransferBody, TransferIntent};
 use sqlx::PgPool;
 use transfer_client::{AttemptResult, Intent, Outcome, RetryPolicy, TransferRequest};
 
@@ -126,7 +128,7 @@ async fn an_in_flight_key_is_retried_no_sooner_than_retry_after(pool: PgPool) {
     let body = request(2_500);
     let intent = Intent::new(&body);
 
-    let principal: uuid::Uuid =
+    let principal: PrincipalId =
         sqlx::query_scalar("SELECT id FROM principals WHERE name = 'demo-a'")
             .fetch_one(&app.pool)
             .await
@@ -136,9 +138,9 @@ async fn an_in_flight_key_is_retried_no_sooner_than_retry_after(pool: PgPool) {
     let fingerprint = TransferIntent::parse(&parsed).unwrap().fingerprint();
     let key = IdempotencyKey::parse(intent.key().as_bytes()).unwrap();
     let claimed = store::claim(
-        &app.pool,
+        &KeyPool::beside(&app.pool),
         policy,
-        Scope(principal),
+        principal,
         &key,
         "POST",
         ROUTE,

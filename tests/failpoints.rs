@@ -36,7 +36,7 @@ const AFTER_CLAIM: Moment = Moment {
 };
 
 const IN_LEDGER_TRANSACTION: Moment = Moment {
-    failpoint: "idempotency::in_transaction",
+    failpoint: "posting::before_commit",
     // The posting is written, uncommitted, and the connection waits.
     reached: "SELECT count(*) FROM pg_stat_activity
               WHERE datname = current_database() AND state = 'idle in transaction'",
@@ -44,7 +44,7 @@ const IN_LEDGER_TRANSACTION: Moment = Moment {
 };
 
 const AFTER_COMMIT: Moment = Moment {
-    failpoint: "idempotency::after_commit",
+    failpoint: "posting::after_commit",
     reached: "SELECT count(*) FROM idempotency_keys WHERE status = 'COMPLETED'",
     committed: true,
 };
@@ -175,10 +175,7 @@ async fn a_panic_inside_the_ledger_transaction_commits_nothing_and_frees_the_key
     let server = ServerProcess::start(
         &url,
         &[
-            (
-                "FAILPOINTS",
-                "idempotency::in_transaction=1*panic(injected)",
-            ),
+            ("FAILPOINTS", "posting::before_commit=1*panic(injected)"),
             ("NEXO_IDEMPOTENCY_LEASE", LEASE),
         ],
     )

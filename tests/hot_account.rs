@@ -5,9 +5,12 @@
 mod common;
 
 use common::*;
+use nexo_transfers::db::KeyPool;
+use nexo_transfers::ledger::repo::KeyLookup;
 use nexo_transfers::ledger::{
-    AmountMinor, Currency, LedgerError, PostingOutcome, PostingRequest, repo,
+    AmountMinor, Currency, LedgerError, LockMode, PostingOutcome, PostingRequest, repo,
 };
+use nexo_transfers::principal::PrincipalId;
 
 /// Enough concurrent transfers that later ones queue behind a running batch.
 const TRANSFERS: usize = 30;
@@ -50,21 +53,17 @@ async fn concurrent_transfers_from_one_account_post_once_each_and_overdrafts_fai
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn completing_a_batch_counts_only_the_claims_still_held(pool: sqlx::PgPool) {
     use nexo_transfers::idempotency::{
-        ClaimOutcome, Fingerprint, IdempotencyKey, Scope, StoredResponse, store,
+        ClaimOutcome, Completing, Fingerprint, IdempotencyKey, StoredResponse, store,
     };
     let app = TestApp::spawn(pool).await;
-    let scope = Scope(
-        sqlx::query_scalar("SELECT id FROM principals WHERE name = 'demo-a'")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap(),
-    );
+    let scope = principal_a(&app.pool).await;
+    let keys = KeyPool::beside(&app.pool);
     let fingerprint = Fingerprint::compute("POST", "/transfers", b"{}");
     let mut claims = Vec::new();
     for key in [new_key(), new_key()] {
         let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
         let outcome = store::claim(
-            &app.pool,
+            &keys,
             default_policy(),
             scope,
             &key,
@@ -87,19 +86,29 @@ async fn completing_a_batch_counts_only_the_claims_still_held(pool: sqlx::PgPool
         .await
         .unwrap();
     let response = StoredResponse {
-        status: 201,
-        headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+        status: http::StatusCode::CREATED,
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )],
         body: bytes::Bytes::from_static(b"{}"),
+    };
+    let completing = |claim| Completing {
+        claim,
+        fingerprint: &fingerprint,
+        response: &response,
+        transfer_id: None,
     };
 
     let mut tx = app.pool.begin().await.unwrap();
-    let completed = store::complete_all(
-        &mut tx,
-        &[(&claims[0], &response, None), (&claims[1], &response, None)],
-    )
-    .await
-    .unwrap();
-    assert_eq!(completed, 1, "only the claim still held completes");
+    let completed = store::complete_all(&mut tx, &[completing(&claims[0]), completing(&claims[1])])
+        .await
+        .unwrap();
+    assert_eq!(
+        completed,
+        [claims[0].lock_token],
+        "only the claim still held completes"
+    );
     tx.rollback().await.unwrap();
 
     for claim in &claims {
@@ -127,10 +136,17 @@ async fn a_batch_posts_in_order_and_refuses_only_what_the_running_balance_cannot
     let batch = Postings::new(principal, &keys, &amounts);
 
     let mut tx = app.pool.begin().await.unwrap();
-    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD]).await.unwrap();
-    let outcomes = repo::post_locked(&mut tx, &batch.requests(), &mut accounts)
+    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD], LockMode::Wait)
         .await
         .unwrap();
+    let outcomes = repo::post_locked(
+        &mut tx,
+        &batch.requests(),
+        &mut accounts,
+        KeyLookup::Optimistic,
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
 
     let [
@@ -168,11 +184,14 @@ async fn a_batch_posts_in_order_and_refuses_only_what_the_running_balance_cannot
 }
 
 /// A key that already has its transfer: alone it is found, not posted again;
-/// inside a batch the whole batch fails, so the caller rolls it back and
-/// posts one by one. A caller that committed anyway would be refused by the
-/// database: the batch's other transfer row has no entries.
+/// inside a batch planned optimistically the batch fails, and a caller that
+/// committed anyway would be refused by the database (the batch's other
+/// transfer row has no entries); looked up first, the batch posts the new
+/// transfer and finds the old one.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
-async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool: sqlx::PgPool) {
+async fn a_key_that_already_has_a_transfer_is_found_alone_and_in_a_batch_looked_up_first(
+    pool: sqlx::PgPool,
+) {
     let app = TestApp::spawn(pool).await;
     let principal = principal_a(&app.pool).await;
     let keys: Vec<String> = (0..2).map(|_| new_key()).collect();
@@ -188,11 +207,14 @@ async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool
 
     let mut tx = app.pool.begin().await.unwrap();
     let again = repo::post_transfer(&mut tx, &requests[1]).await.unwrap();
-    assert_eq!(again, PostingOutcome::AlreadyPosted(posted));
-    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD]).await.unwrap();
-    let batch_result = repo::post_locked(&mut tx, &requests, &mut accounts).await;
+    assert_eq!(again, PostingOutcome::AlreadyPosted(posted.clone()));
+    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD], LockMode::Wait)
+        .await
+        .unwrap();
+    let batch_result =
+        repo::post_locked(&mut tx, &requests, &mut accounts, KeyLookup::Optimistic).await;
     assert!(
-        matches!(batch_result, Err(LedgerError::PlanMismatch(_))),
+        matches!(batch_result, Err(LedgerError::KeyAlreadyUsed)),
         "got {batch_result:?}"
     );
     let committed = tx.commit().await;
@@ -204,6 +226,22 @@ async fn a_key_that_already_has_a_transfer_is_found_alone_and_fails_a_batch(pool
 
     assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 2_000);
     assert_eq!(customer_transfer_count(&app.pool).await, 1);
+
+    let mut tx = app.pool.begin().await.unwrap();
+    let mut accounts = repo::lock_accounts(&mut tx, &[A_USD, B_USD], LockMode::Wait)
+        .await
+        .unwrap();
+    let outcomes = repo::post_locked(&mut tx, &requests, &mut accounts, KeyLookup::First)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(&outcomes[..], [PostingOutcome::Posted(new), PostingOutcome::AlreadyPosted(old)]
+            if new.amount_minor == 1_000 && old.id == posted.id),
+        "{outcomes:?}"
+    );
+    assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 3_000);
+    assert_eq!(customer_transfer_count(&app.pool).await, 2);
     assert_ledger_consistent(&app.pool).await;
 }
 
@@ -252,7 +290,7 @@ async fn the_database_refuses_to_commit_a_transfer_without_its_debit_and_credit(
 
 /// The owned parts of a batch of USD transfers from A to B.
 struct Postings<'a> {
-    principal: uuid::Uuid,
+    principal: PrincipalId,
     keys: &'a [String],
     amounts: Vec<AmountMinor>,
     fingerprints: Vec<[u8; 32]>,
@@ -260,7 +298,7 @@ struct Postings<'a> {
 }
 
 impl<'a> Postings<'a> {
-    fn new(principal: uuid::Uuid, keys: &'a [String], amounts: &[i64]) -> Self {
+    fn new(principal: PrincipalId, keys: &'a [String], amounts: &[i64]) -> Self {
         Self {
             principal,
             keys,

@@ -236,7 +236,7 @@ async fn the_scheduled_reconciliation_is_metered_and_shown_to_admins_only(pool: 
     .await
     .unwrap();
     let before = app.metrics().await;
-    let schedule = tokio::spawn(reconcile::run_periodically(
+    let schedule = tokio::spawn(nexo_transfers::cli::reconcile_periodically(
         app.pool.clone(),
         every,
         reconcile::Options {

@@ -5,9 +5,9 @@
 //! PROPTEST_CASES for more).
 mod common;
 
-use nexo_transfers::http::transfers::{TransferBody, TransferIntent};
 use nexo_transfers::idempotency::{Fingerprint, IDEMPOTENCY_KEY_LEN_MAX, IdempotencyKey, KeyError};
 use nexo_transfers::ledger::money::AMOUNT_MINOR_MAX;
+use nexo_transfers::transfers::intent::{TransferBody, TransferIntent};
 use proptest::prelude::*;
 
 /// The Structured Field string spelling of a key: quoted, `\` and `"` escaped.

@@ -8,16 +8,20 @@ use std::time::Duration;
 
 use common::*;
 use futures::future::join_all;
-use nexo_transfers::http::transfers::{TransferBody, TransferIntent, TransferOperation};
-use nexo_transfers::idempotency::{self, ClaimOutcome, ExecuteError, IdempotencyKey, Scope};
+use nexo_transfers::config::PostingConfig;
+use nexo_transfers::db::KeyPool;
+use nexo_transfers::idempotency::{self, ClaimOutcome, IdempotencyKey};
+use nexo_transfers::principal::PrincipalId;
+use nexo_transfers::transfers::Transfers;
+use nexo_transfers::transfers::intent::{TransferBody, TransferIntent};
+use nexo_transfers::transfers::posting::{ClaimedTransfer, Settings};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::io::AsyncWriteExt;
-use uuid::Uuid;
 
 const AMOUNT: i64 = 10_000;
 
-async fn principal_id(pool: &PgPool, name: &str) -> Uuid {
+async fn principal_id(pool: &PgPool, name: &str) -> PrincipalId {
     sqlx::query_scalar("SELECT id FROM principals WHERE name = $1")
         .bind(name)
         .fetch_one(pool)
@@ -353,12 +357,12 @@ async fn an_abandoned_claim_is_taken_over_after_its_lease_and_the_late_original_
     let intent =
         TransferIntent::parse(&serde_json::from_value::<TransferBody>(body.clone()).unwrap())
             .unwrap();
-    let scope = Scope(principal_id(&app.pool, "demo-a").await);
+    let scope = principal_id(&app.pool, "demo-a").await;
     let idem_key = IdempotencyKey::parse(key.as_bytes()).unwrap();
 
     // An "original" claims the key and then stalls, as if its process died.
     let ClaimOutcome::Claimed(original) = idempotency::store::claim(
-        &app.pool,
+        &KeyPool::beside(&app.pool),
         default_policy(),
         scope,
         &idem_key,
@@ -384,14 +388,31 @@ async fn an_abandoned_claim_is_taken_over_after_its_lease_and_the_late_original_
     let after_lease = app.post_transfer(TOKEN_A, &key, &body).await;
     assert_eq!(after_lease.status, 201, "the retry took the claim over");
 
-    // The original wakes up and tries to post: its fence is gone.
-    let late = idempotency::execute(
-        &app.pool,
-        &original,
-        &TransferOperation::new(scope.0, idem_key.clone(), intent),
+    // The original wakes up and posts through the same posting layer: its
+    // fence is gone, so nothing of it commits, and since the key completed
+    // for this same intent it is answered with that completed answer.
+    let service = Transfers::new(
+        app.pool.clone(),
+        default_policy(),
+        Settings::for_pool(4, &PostingConfig::default()),
     )
-    .await;
-    assert!(matches!(late, Err(ExecuteError::FenceLost)), "{late:?}");
+    .await
+    .unwrap();
+    let admission = service.postings.admit(&intent).unwrap();
+    let late = service
+        .execute_claimed(
+            ClaimedTransfer {
+                claim: original,
+                fingerprint: intent.fingerprint(),
+                intent: intent.clone(),
+            },
+            admission,
+        )
+        .await
+        .unwrap();
+    assert!(late.replayed);
+    assert_eq!(late.response.status.as_u16(), 201);
+    assert_eq!(late.response.body, after_lease.body);
 
     assert_eq!(customer_transfer_count(&app.pool).await, 1);
     assert_eq!(app.balance(B_USD).await, AMOUNT);

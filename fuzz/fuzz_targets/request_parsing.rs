@@ -8,8 +8,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use nexo_transfers::auth;
-use nexo_transfers::http::transfers::{TransferBody, TransferIntent};
 use nexo_transfers::idempotency::{IDEMPOTENCY_KEY_LEN_MAX, IdempotencyKey};
+use nexo_transfers::transfers::intent::{TransferBody, TransferIntent};
 
 /// Splits off a length-prefixed field.
 fn field(data: &[u8]) -> (&[u8], &[u8]) {

@@ -5,18 +5,15 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use problem_details::ProblemDetails;
 
-use crate::idempotency::{KeyError, StoredResponse};
-
-/// Problem types are URIs under this base; `docs/problems.md` describes each.
-pub const PROBLEM_TYPE_BASE: &str = "https://nexo-transfers.example/problems/";
-
-pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
-
-/// Client-supplied text echoed in a problem `detail` (a serde message naming
-/// an unknown field, say) is cut to this many characters.
-const DETAIL_CHARS_MAX: usize = 300;
+use crate::db;
+use crate::idempotency::KeyError;
+use crate::problem::Problem;
+pub use crate::problem::{PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE};
+pub use crate::transfers::intent::ValidationKind;
+use crate::transfers::{
+    IN_FLIGHT_RETRY_AFTER_SECS, Rejection, RetryReason, TransferError, posting::RETRY_AFTER_SECS,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -51,47 +48,11 @@ pub enum ApiError {
     RateLimited { retry_after_secs: u64 },
     #[error("the service is temporarily unavailable")]
     ServiceUnavailable,
+    /// The transfer was not posted for a reason the client can wait out.
+    #[error("the transfer could not be posted now: {0}")]
+    NotPostedNow(RetryReason),
     #[error("internal error")]
     Internal,
-}
-
-/// Validation failures that leave the idempotency key untouched, so a
-/// corrected request may reuse it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ValidationKind {
-    InvalidAmount,
-    UnsupportedCurrency,
-    CurrencyMismatch,
-    SameAccount,
-    InvalidAccountId,
-    UnknownDestination,
-    InvalidDescription,
-}
-
-impl ValidationKind {
-    fn slug(self) -> &'static str {
-        match self {
-            Self::InvalidAmount => "invalid-amount",
-            Self::UnsupportedCurrency => "unsupported-currency",
-            Self::CurrencyMismatch => "currency-mismatch",
-            Self::SameAccount => "same-account",
-            Self::InvalidAccountId => "invalid-account-id",
-            Self::UnknownDestination => "unknown-destination",
-            Self::InvalidDescription => "invalid-description",
-        }
-    }
-
-    fn title(self) -> &'static str {
-        match self {
-            Self::InvalidAmount => "Invalid amount",
-            Self::UnsupportedCurrency => "Unsupported currency",
-            Self::CurrencyMismatch => "Currency does not match the accounts",
-            Self::SameAccount => "Source and destination are the same account",
-            Self::InvalidAccountId => "Invalid account id",
-            Self::UnknownDestination => "Unknown destination account",
-            Self::InvalidDescription => "Invalid description",
-        }
-    }
 }
 
 impl ApiError {
@@ -117,7 +78,7 @@ impl ApiError {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestInFlight { .. } => StatusCode::CONFLICT,
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::ServiceUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ServiceUnavailable | Self::NotPostedNow(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -139,7 +100,7 @@ impl ApiError {
             Self::RequestInFlight { .. } => "request-in-flight",
             Self::InsufficientFunds => "insufficient-funds",
             Self::RateLimited { .. } => "rate-limited",
-            Self::ServiceUnavailable => "service-unavailable",
+            Self::ServiceUnavailable | Self::NotPostedNow(_) => "service-unavailable",
             Self::Internal => "internal-error",
         }
     }
@@ -160,13 +121,13 @@ impl ApiError {
             Self::RequestInFlight { .. } => "Request in flight",
             Self::InsufficientFunds => "Insufficient funds",
             Self::RateLimited { .. } => "Too many requests",
-            Self::ServiceUnavailable => "Service unavailable",
+            Self::ServiceUnavailable | Self::NotPostedNow(_) => "Service unavailable",
             Self::Internal => "Internal server error",
         }
     }
 
     fn detail(&self) -> String {
-        let detail = match self {
+        match self {
             Self::Unauthorized => {
                 "send a valid token as `Authorization: Bearer <token>`".to_owned()
             }
@@ -176,18 +137,16 @@ impl ApiError {
             Self::RequestInFlight { .. } => {
                 format!("{self}; retry later with the same key and body to get its result")
             }
-            Self::IdempotencyKeyReused => format!(
-                "{self}; use a new key for a new transfer, or resend the original body to get the original result"
-            ),
-            Self::ServiceUnavailable => {
+            Self::IdempotencyKeyReused => Rejection::KeyReused.problem().detail,
+            Self::InsufficientFunds => Rejection::InsufficientFunds.problem().detail,
+            Self::ServiceUnavailable | Self::NotPostedNow(_) => {
                 format!("{self}; retry with the same idempotency key, it is safe")
             }
             Self::Internal => format!(
                 "{self}; nothing was committed for this attempt, retry with the same idempotency key"
             ),
             other => other.to_string(),
-        };
-        truncate_chars(&detail, DETAIL_CHARS_MAX)
+        }
     }
 
     fn retry_after_secs(&self) -> Option<u64> {
@@ -195,47 +154,24 @@ impl ApiError {
             Self::RequestInFlight { retry_after_secs } | Self::RateLimited { retry_after_secs } => {
                 Some(*retry_after_secs)
             }
-            Self::ServiceUnavailable => Some(1),
+            Self::ServiceUnavailable | Self::NotPostedNow(_) => Some(RETRY_AFTER_SECS),
             _ => None,
         }
     }
 
-    /// The problem document's exact bytes. Also what is stored for a
-    /// business rejection, so its replay is byte-identical.
-    pub fn body(&self) -> Bytes {
-        let problem = ProblemDetails::new()
-            .with_type(problem_type_uri(self.slug()))
-            .with_title(self.title())
-            .with_status(self.status())
-            .with_detail(self.detail());
-        // Serialising a struct of strings and a status code cannot fail; an
-        // empty body would still carry the status.
-        Bytes::from(serde_json::to_vec(&problem).unwrap_or_default())
-    }
-
-    /// This error as a response to store under an idempotency key.
-    pub fn to_stored(&self) -> StoredResponse {
-        StoredResponse {
-            status: self.status().as_u16(),
-            headers: vec![(
-                header::CONTENT_TYPE.as_str().to_owned(),
-                PROBLEM_CONTENT_TYPE.to_owned(),
-            )],
-            body: self.body(),
+    /// This error as a problem document.
+    pub fn problem(&self) -> Problem {
+        Problem {
+            slug: self.slug(),
+            title: self.title(),
+            status: self.status(),
+            detail: self.detail(),
         }
     }
-}
 
-fn problem_type_uri(slug: &str) -> axum::http::Uri {
-    format!("{PROBLEM_TYPE_BASE}{slug}")
-        .parse()
-        .unwrap_or_else(|_| axum::http::Uri::from_static("about:blank"))
-}
-
-fn truncate_chars(text: &str, max: usize) -> String {
-    match text.char_indices().nth(max) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text.to_owned(),
+    /// The problem document's exact bytes.
+    pub fn body(&self) -> Bytes {
+        self.problem().body()
     }
 }
 
@@ -282,7 +218,7 @@ impl From<sqlx::Error> for ApiError {
         if matches!(e, sqlx::Error::PoolTimedOut) {
             crate::telemetry::pool_acquire_timeout();
         }
-        if is_unavailable(&e) {
+        if db::classify(&e).is_retryable() {
             tracing::warn!(error = %e, "database unavailable");
             Self::ServiceUnavailable
         } else {
@@ -292,26 +228,21 @@ impl From<sqlx::Error> for ApiError {
     }
 }
 
-/// Errors that mean "the database is away or shedding load", which a
-/// client should retry: pool exhaustion, a dropped connection, a server
-/// shutting down or not yet accepting connections, and serialization
-/// failures that outlived the internal retries.
-pub fn is_unavailable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08")
-                || code.starts_with("53")
-                || matches!(
-                    code.as_ref(),
-                    "57P01" | "57P02" | "57P03" | "40001" | "40P01"
-                )
-        }),
-        _ => false,
+impl From<TransferError> for ApiError {
+    fn from(e: TransferError) -> Self {
+        match e {
+            TransferError::Invalid(invalid) => Self::Validation {
+                kind: invalid.kind,
+                detail: invalid.detail,
+            },
+            TransferError::SourceNotFound => Self::NotFound,
+            TransferError::KeyReused => Self::IdempotencyKeyReused,
+            TransferError::InFlight => Self::RequestInFlight {
+                retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
+            },
+            TransferError::Retryable(reason) => Self::NotPostedNow(reason),
+            TransferError::Internal => Self::Internal,
+        }
     }
 }
 
@@ -330,13 +261,5 @@ mod tests {
         assert_eq!(value["status"], 422);
         assert_eq!(value["title"], "Insufficient funds");
         assert!(value["detail"].as_str().is_some_and(|d| !d.is_empty()));
-    }
-
-    #[test]
-    fn long_details_are_cut() {
-        let long = ApiError::MalformedRequest("x".repeat(1000));
-        let value: serde_json::Value = serde_json::from_slice(&long.body()).unwrap_or_default();
-        let detail = value["detail"].as_str().unwrap_or_default();
-        assert_eq!(detail.chars().count(), DETAIL_CHARS_MAX + 1);
     }
 }

@@ -4,17 +4,17 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use uuid::Uuid;
 
 use super::AppState;
 use super::error::ApiError;
 use crate::auth;
 use crate::idempotency::IdempotencyKey;
+use crate::principal::PrincipalId;
 
 /// The authenticated caller, from `Authorization: Bearer <token>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Principal {
-    pub id: Uuid,
+    pub id: PrincipalId,
 }
 
 impl FromRequestParts<AppState> for Principal {
@@ -35,7 +35,7 @@ impl FromRequestParts<AppState> for Principal {
         };
         tracing::Span::current().record("principal_id", tracing::field::display(id));
         if let Some(limiter) = &state.rate_limiter {
-            limiter.check(id)?;
+            limiter.check(id.as_uuid())?;
         }
         parts.extensions.insert(Principal { id });
         Ok(Principal { id })

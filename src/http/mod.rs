@@ -1,8 +1,6 @@
 //! The HTTP API: routes, extractors, error mapping and the middleware stack.
 
 pub mod accounts;
-pub mod batch;
-pub mod caches;
 pub mod docs;
 pub mod error;
 pub mod extract;
@@ -11,7 +9,7 @@ pub mod operations;
 pub mod rate_limit;
 pub mod transfers;
 
-use std::collections::HashSet;
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,58 +19,56 @@ use axum::http::{HeaderName, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use chrono::{DateTime, SecondsFormat, Utc};
 use sqlx::PgPool;
 use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::trace::TraceLayer;
 
-use crate::config::{HttpConfig, RateLimitConfig};
+use crate::caches::Caches;
+use crate::config::{HttpConfig, PostingConfig, RateLimitConfig};
 use crate::idempotency::Policy;
+use crate::transfers::Transfers;
+use crate::transfers::posting::Settings;
 use error::ApiError;
 
 /// Everything a handler needs, cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
+    /// The main pool, for reads (the transfers service shares it).
     pub pool: PgPool,
-    /// Where idempotency claims run: commits without waiting for the WAL
-    /// flush (see `db::claim_pool` for why that is safe).
-    pub claim_pool: PgPool,
     pub config: Arc<AppConfig>,
-    /// The `currencies` table, read at start-up: it only changes by migration.
-    pub currencies: Arc<HashSet<String>>,
     /// The admin token's hash and the last scheduled reconciliation.
     pub operations: Arc<operations::Operations>,
     /// `None` when rate limiting is off.
     pub rate_limiter: Option<Arc<rate_limit::PrincipalRateLimiter>>,
-    /// Token and account lookups kept in memory (see `caches`).
-    pub caches: Arc<caches::Caches>,
-    /// Transfers waiting for their batch (see `batch`).
-    pub postings: Arc<batch::PostingQueues<transfers::TransferOperation>>,
+    /// Token and account lookups kept in memory (shared with `transfers`).
+    pub caches: Arc<Caches>,
+    /// Creating transfers: checks, keys, the posting queues.
+    pub transfers: Arc<Transfers>,
 }
 
 #[derive(Debug, Clone)]
 pub struct AppConfig {
     pub idempotency: Policy,
     pub http: HttpConfig,
+    pub posting: PostingConfig,
 }
 
 impl AppState {
     pub async fn new(pool: PgPool, config: AppConfig) -> Result<Self, sqlx::Error> {
         // Before anything can count: events recorded earlier would be lost.
         crate::telemetry::recorder();
-        let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
+        let settings = Settings::for_pool(pool.options().get_max_connections(), &config.posting);
+        let transfers = Transfers::new(pool.clone(), config.idempotency, settings).await?;
         Ok(Self {
-            claim_pool: crate::db::claim_pool(&pool),
             pool,
-            caches: Arc::new(caches::Caches::new(config.idempotency.ttl)),
+            caches: Arc::clone(&transfers.caches),
+            transfers,
             config: Arc::new(config),
-            currencies: Arc::new(currencies.into_iter().collect()),
             operations: Arc::default(),
             rate_limiter: rate_limit::PrincipalRateLimiter::new(RateLimitConfig::default())
                 .map(Arc::new),
-            postings: Arc::default(),
         })
     }
 
@@ -184,20 +180,58 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
-/// Timestamps in responses: RFC 3339, UTC, microseconds (PostgreSQL's
-/// precision), so a row always renders to the same text.
-pub fn timestamp(at: DateTime<Utc>) -> String {
-    at.to_rfc3339_opts(SecondsFormat::Micros, true)
-}
+pub use crate::transfers::render::timestamp;
 
-/// Serves `app` on `listener` until `shutdown` resolves, then lets in-flight
-/// requests finish.
+/// Serves `app` on `listener` until `shutdown` resolves. Then it stops
+/// accepting, lets in-flight requests finish while the posting queues
+/// drain, and returns within the shutdown timeout (plus
+/// [`SHUTDOWN_MARGIN`]) whatever is still running: by then every claim
+/// this instance made is completed or FAILED (see `Postings::shut_down`).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let deadline = state.config.posting.shutdown_timeout;
+    let transfers = Arc::clone(&state.transfers);
+    let (signalled, on_signal) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app(state)).with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = signalled.send(());
+    });
+    let mut server = std::pin::pin!(server.into_future());
+    let mut on_signal = on_signal;
+    let ended_first = tokio::select! {
+        served = &mut server => Some(served),
+        _ = &mut on_signal => None,
+    };
+    let started = tokio::time::Instant::now();
+    // With no connection open, the server ends in the same poll that
+    // delivers the signal: the postings still need their shutdown then.
+    let http_drained = match ended_first {
+        Some(served) if on_signal.try_recv().is_err() => return served,
+        Some(served) => Ok(served),
+        // First the requests in flight finish (their postings with them);
+        // then the postings of clients that hung up; then whatever is left
+        // is failed and released, and the last answers get a moment to
+        // leave.
+        None => tokio::time::timeout(deadline, &mut server).await,
+    };
+    transfers
+        .shut_down(deadline.saturating_sub(started.elapsed()))
+        .await;
+    match http_drained {
+        Ok(served) => served,
+        Err(_) => match tokio::time::timeout(SHUTDOWN_MARGIN, &mut server).await {
+            Ok(served) => served,
+            Err(_) => {
+                tracing::warn!("connections still open at the shutdown deadline, closing them");
+                Ok(())
+            }
+        },
+    }
 }
+
+/// How long past the shutdown timeout the server waits for open
+/// connections to take their last answers.
+pub const SHUTDOWN_MARGIN: Duration = Duration::from_secs(1);

@@ -5,10 +5,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
+use http::{HeaderName, HeaderValue, StatusCode};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use super::{Fingerprint, IdempotencyKey};
+use crate::db::KeyPool;
+use crate::principal::PrincipalId;
 
 /// How long records live and how long a claim may stay unfinished.
 #[derive(Debug, Clone, Copy)]
@@ -22,27 +25,77 @@ pub struct Policy {
     pub lease: Duration,
 }
 
-/// The idempotency scope: the authenticated principal's id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Scope(pub Uuid);
-
 /// Proof of owning a key: completing it requires the same `lock_token`.
 #[derive(Debug, Clone)]
 pub struct Claim {
-    pub scope: Scope,
+    pub scope: PrincipalId,
     pub key: IdempotencyKey,
     pub lock_token: Uuid,
     /// The claim replaced an abandoned, failed or expired one.
     pub took_over: bool,
 }
 
+/// Where a key's record stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum KeyStatus {
+    /// Claimed; its owner is executing (or died, and the lease will free it).
+    InProgress,
+    /// Its answer is stored and replayed.
+    Completed,
+    /// Released after a technical failure: the same request executes again.
+    Failed,
+}
+
 /// A response as it is stored and replayed: status, the headers that must
 /// replay, and the exact body bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
+    pub status: StatusCode,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
+}
+
+/// Headers as the record keeps them: names and values as text, in order.
+type StoredHeaders = sqlx::types::Json<Vec<(String, String)>>;
+
+impl StoredResponse {
+    fn header_texts(&self) -> StoredHeaders {
+        sqlx::types::Json(
+            self.headers
+                .iter()
+                .filter_map(|(name, value)| {
+                    Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+                })
+                .collect(),
+        )
+    }
+
+    /// Rebuilt from a record's columns. The table's CHECKs keep a status in
+    /// range and headers that were valid when stored; anything else is
+    /// dropped rather than replayed wrong.
+    fn from_record(status: i16, headers: StoredHeaders, body: Vec<u8>) -> Option<Self> {
+        let status = StatusCode::from_u16(u16::try_from(status).ok()?).ok()?;
+        let headers = headers
+            .0
+            .into_iter()
+            .filter_map(|(name, value)| {
+                Some((
+                    HeaderName::from_bytes(name.as_bytes()).ok()?,
+                    HeaderValue::from_str(&value).ok()?,
+                ))
+            })
+            .collect();
+        Some(Self {
+            status,
+            headers,
+            body: Bytes::from(body),
+        })
+    }
+
+    fn status_code(&self) -> i16 {
+        i16::try_from(self.status.as_u16()).unwrap_or(500)
+    }
 }
 
 #[derive(Debug)]
@@ -66,13 +119,23 @@ const CLAIM_PASSES_MAX: usize = 3;
 #[derive(sqlx::FromRow)]
 struct ExistingRow {
     fingerprint: Vec<u8>,
-    status: String,
+    status: KeyStatus,
     locked_until: DateTime<Utc>,
     lease_live: bool,
     expired: bool,
     response_status: Option<i16>,
-    response_headers: Option<sqlx::types::Json<Vec<(String, String)>>>,
+    response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
+}
+
+impl ExistingRow {
+    fn response(self) -> Option<StoredResponse> {
+        StoredResponse::from_record(
+            self.response_status?,
+            self.response_headers?,
+            self.response_body?,
+        )
+    }
 }
 
 /// The claim statement's answer: our token when the insert won, otherwise
@@ -82,12 +145,12 @@ struct ExistingRow {
 struct ClaimAttempt {
     claimed: Option<Uuid>,
     fingerprint: Option<Vec<u8>>,
-    status: Option<String>,
+    status: Option<KeyStatus>,
     locked_until: Option<DateTime<Utc>>,
     lease_live: Option<bool>,
     expired: Option<bool>,
     response_status: Option<i16>,
-    response_headers: Option<sqlx::types::Json<Vec<(String, String)>>>,
+    response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
 }
 
@@ -108,14 +171,15 @@ impl ClaimAttempt {
 
 #[tracing::instrument(skip_all, fields(key = %key))]
 pub async fn claim(
-    pool: &PgPool,
+    keys: &KeyPool,
     policy: Policy,
-    scope: Scope,
+    scope: PrincipalId,
     key: &IdempotencyKey,
     method: &str,
     path: &str,
     fingerprint: &Fingerprint,
 ) -> Result<ClaimOutcome, sqlx::Error> {
+    let pool = keys.pool();
     let mut last_seen_until = Utc::now();
     for _ in 0..CLAIM_PASSES_MAX {
         let token = Uuid::new_v4();
@@ -145,7 +209,7 @@ pub async fn claim(
                  WHERE principal_id = $1 AND idempotency_key = $2
              ) AS k ON true",
         )
-        .bind(scope.0)
+        .bind(scope)
         .bind(key.as_str())
         .bind(method)
         .bind(path)
@@ -166,20 +230,7 @@ pub async fn claim(
 
         let existing = match attempt.existing() {
             Some(row) => Some(row),
-            None => {
-                sqlx::query_as(
-                    "SELECT fingerprint, status, locked_until,
-                            locked_until > now() AS lease_live,
-                            expires_at <= now() AS expired,
-                            response_status, response_headers, response_body
-                     FROM idempotency_keys
-                     WHERE principal_id = $1 AND idempotency_key = $2",
-                )
-                .bind(scope.0)
-                .bind(key.as_str())
-                .fetch_optional(pool)
-                .await?
-            }
+            None => read_row(pool, scope, key).await?,
         };
         let Some(row) = existing else {
             continue; // purged between the two statements: claim again
@@ -191,29 +242,23 @@ pub async fn claim(
             if !same_request {
                 return Ok(ClaimOutcome::Mismatch);
             }
-            match row.status.as_str() {
-                "COMPLETED" => {
-                    if let (Some(status), Some(headers), Some(body)) =
-                        (row.response_status, row.response_headers, row.response_body)
-                    {
-                        return Ok(ClaimOutcome::Replay(StoredResponse {
-                            status: u16::try_from(status).unwrap_or(500),
-                            headers: headers.0,
-                            body: Bytes::from(body),
-                        }));
-                    }
-                    // The table's CHECK makes this unreachable; answer as in flight
-                    // rather than execute a completed intent again.
+            match row.status {
+                KeyStatus::Completed => {
+                    let locked_until = row.locked_until;
+                    // The table's CHECK makes a missing response unreachable;
+                    // answer as in flight rather than execute a completed
+                    // intent again.
+                    return Ok(match row.response() {
+                        Some(stored) => ClaimOutcome::Replay(stored),
+                        None => ClaimOutcome::InFlight { locked_until },
+                    });
+                }
+                KeyStatus::InProgress if row.lease_live => {
                     return Ok(ClaimOutcome::InFlight {
                         locked_until: row.locked_until,
                     });
                 }
-                "IN_PROGRESS" if row.lease_live => {
-                    return Ok(ClaimOutcome::InFlight {
-                        locked_until: row.locked_until,
-                    });
-                }
-                _ => {}
+                KeyStatus::InProgress | KeyStatus::Failed => {}
             }
         }
 
@@ -239,7 +284,7 @@ pub async fn claim(
 async fn take_over(
     pool: &PgPool,
     policy: Policy,
-    scope: Scope,
+    scope: PrincipalId,
     key: &IdempotencyKey,
     method: &str,
     path: &str,
@@ -267,7 +312,7 @@ async fn take_over(
                     AND (status = 'FAILED' OR (status = 'IN_PROGRESS' AND locked_until <= now()))))
          RETURNING lock_token",
     )
-    .bind(scope.0)
+    .bind(scope)
     .bind(key.as_str())
     .bind(Uuid::new_v4())
     .bind(policy.lease.as_secs_f64())
@@ -279,101 +324,134 @@ async fn take_over(
     .await
 }
 
-/// Completes the claim inside the caller's transaction, fenced by the lock
-/// token. Returns false when the claim was taken over: the caller must roll
-/// back, so the late original's money movement never commits.
-#[tracing::instrument(skip_all, fields(key = %claim.key, status = response.status))]
-pub async fn complete(
-    conn: &mut PgConnection,
-    claim: &Claim,
-    response: &StoredResponse,
-    transfer_id: Option<Uuid>,
-) -> Result<bool, sqlx::Error> {
-    let result = sqlx::query(
-        "UPDATE idempotency_keys SET
-             status = 'COMPLETED',
-             response_status = $4,
-             response_headers = $5,
-             response_body = $6,
-             transfer_id = $7,
-             updated_at = now()
-         WHERE principal_id = $1 AND idempotency_key = $2
-           AND lock_token = $3 AND status = 'IN_PROGRESS'",
+async fn read_row(
+    pool: &PgPool,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+) -> Result<Option<ExistingRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT fingerprint, status, locked_until,
+                locked_until > now() AS lease_live,
+                expires_at <= now() AS expired,
+                response_status, response_headers, response_body
+         FROM idempotency_keys
+         WHERE principal_id = $1 AND idempotency_key = $2",
     )
-    .bind(claim.scope.0)
-    .bind(claim.key.as_str())
-    .bind(claim.lock_token)
-    .bind(i16::try_from(response.status).unwrap_or(500))
-    .bind(sqlx::types::Json(&response.headers))
-    .bind(response.body.as_ref())
-    .bind(transfer_id)
-    .execute(conn)
-    .await?;
-    Ok(result.rows_affected() == 1)
+    .bind(scope)
+    .bind(key.as_str())
+    .fetch_optional(pool)
+    .await
 }
 
-/// Completes several claims inside the caller's transaction in one
-/// statement, each fenced by its own lock token as in [`complete`]. Returns
-/// how many were completed: fewer than given means at least one was taken
-/// over, and the caller must roll back everything.
+/// The stored answer of a key that completed for this very request, if it
+/// did: what a request that lost its claim to another one answers with.
+pub async fn completed_answer(
+    keys: &KeyPool,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+) -> Result<Option<StoredResponse>, sqlx::Error> {
+    Ok(read_row(keys.pool(), scope, key)
+        .await?
+        .filter(|row| {
+            row.status == KeyStatus::Completed
+                && !row.expired
+                && row.fingerprint.as_slice() == fingerprint.as_bytes()
+        })
+        .and_then(ExistingRow::response))
+}
+
+/// One claim's completion: the answer to store, the fingerprint it is
+/// stored under (the request's own, or, for a late retry that found its key
+/// already used, the fingerprint of the intent that used it), and the
+/// transfer it created or found.
+#[derive(Debug, Clone, Copy)]
+pub struct Completing<'a> {
+    pub claim: &'a Claim,
+    pub fingerprint: &'a Fingerprint,
+    pub response: &'a StoredResponse,
+    pub transfer_id: Option<Uuid>,
+}
+
+/// Completes claims inside the caller's transaction in one statement, each
+/// fenced by its own lock token: only a claim still IN_PROGRESS under the
+/// token it was given completes. Returns the tokens that completed; a claim
+/// missing from them was taken over, and the caller must roll back, so a
+/// late original's money movement never commits.
 #[tracing::instrument(skip_all, fields(claims = completions.len()))]
 pub async fn complete_all(
     conn: &mut PgConnection,
-    completions: &[(&Claim, &StoredResponse, Option<Uuid>)],
-) -> Result<usize, sqlx::Error> {
-    let (mut scopes, mut keys, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    completions: &[Completing<'_>],
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    let (mut scopes, mut keys, mut tokens, mut fingerprints) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut statuses, mut headers, mut bodies, mut transfers) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (claim, response, transfer_id) in completions {
-        scopes.push(claim.scope.0);
-        keys.push(claim.key.as_str());
-        tokens.push(claim.lock_token);
-        statuses.push(i16::try_from(response.status).unwrap_or(500));
-        headers.push(sqlx::types::Json(&response.headers));
-        bodies.push(response.body.as_ref());
-        transfers.push(*transfer_id);
+    for c in completions {
+        scopes.push(c.claim.scope);
+        keys.push(c.claim.key.as_str());
+        tokens.push(c.claim.lock_token);
+        fingerprints.push(c.fingerprint.as_bytes().as_slice());
+        statuses.push(c.response.status_code());
+        headers.push(c.response.header_texts());
+        bodies.push(c.response.body.as_ref());
+        transfers.push(c.transfer_id);
     }
-    let result = sqlx::query(
+    sqlx::query_scalar(
         "UPDATE idempotency_keys k SET
              status = 'COMPLETED',
+             fingerprint = c.fingerprint,
              response_status = c.status,
              response_headers = c.headers,
              response_body = c.body,
              transfer_id = c.transfer_id,
              updated_at = now()
-         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::int2[], $5::jsonb[], $6::bytea[], $7::uuid[])
-              AS c(principal_id, idempotency_key, lock_token, status, headers, body, transfer_id)
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bytea[], $5::int2[], $6::jsonb[],
+                     $7::bytea[], $8::uuid[])
+              AS c(principal_id, idempotency_key, lock_token, fingerprint, status, headers, body,
+                   transfer_id)
          WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
-           AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'",
+           AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'
+         RETURNING k.lock_token",
     )
     .bind(&scopes)
     .bind(&keys)
     .bind(&tokens)
+    .bind(&fingerprints)
     .bind(&statuses)
     .bind(&headers)
     .bind(&bodies)
     .bind(&transfers)
-    .execute(conn)
-    .await?;
-    Ok(usize::try_from(result.rows_affected()).unwrap_or(usize::MAX))
+    .fetch_all(conn)
+    .await
 }
 
-/// Releases a claim after a technical failure so a retry with the same key
-/// executes again at once instead of waiting out the lease. Fenced like
-/// completion: a taken-over claim is left to its new owner.
-#[tracing::instrument(skip_all, fields(key = %claim.key))]
-pub async fn mark_failed(pool: &PgPool, claim: &Claim) -> Result<bool, sqlx::Error> {
+/// Releases claims after a technical failure, in one statement, so a retry
+/// with the same key executes again at once instead of waiting out the
+/// lease. Fenced like completion: a taken-over claim is left to its new
+/// owner. Runs on the key pool: it must not depend on the main pool, whose
+/// failure is often why it is called. Returns how many were released.
+#[tracing::instrument(skip_all, fields(claims = claims.len()))]
+pub async fn mark_failed_all(keys: &KeyPool, claims: &[&Claim]) -> Result<u64, sqlx::Error> {
+    if claims.is_empty() {
+        return Ok(0);
+    }
+    let scopes: Vec<PrincipalId> = claims.iter().map(|c| c.scope).collect();
+    let key_texts: Vec<&str> = claims.iter().map(|c| c.key.as_str()).collect();
+    let tokens: Vec<Uuid> = claims.iter().map(|c| c.lock_token).collect();
     let result = sqlx::query(
-        "UPDATE idempotency_keys SET status = 'FAILED', locked_until = now(), updated_at = now()
-         WHERE principal_id = $1 AND idempotency_key = $2
-           AND lock_token = $3 AND status = 'IN_PROGRESS'",
+        "UPDATE idempotency_keys k
+         SET status = 'FAILED', locked_until = now(), updated_at = now()
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[]) AS c(principal_id, idempotency_key, lock_token)
+         WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
+           AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'",
     )
-    .bind(claim.scope.0)
-    .bind(claim.key.as_str())
-    .bind(claim.lock_token)
-    .execute(pool)
+    .bind(&scopes)
+    .bind(&key_texts)
+    .bind(&tokens)
+    .execute(keys.pool())
     .await?;
-    Ok(result.rows_affected() == 1)
+    Ok(result.rows_affected())
 }
 
 /// How many expired rows one purge statement deletes: small enough that a

@@ -3,10 +3,13 @@
 //! inside their transaction.
 
 pub mod money;
+pub mod plan;
 pub mod repo;
 
+use uuid::Uuid;
+
 pub use money::{AccountId, AmountMinor, Currency, Description};
-pub use repo::{Account, Entry, PostingOutcome, PostingRequest, Transfer};
+pub use repo::{Account, Entry, LockMode, PostingOutcome, PostingRequest, Transfer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -21,10 +24,28 @@ pub enum LedgerError {
     /// A posting would take a balance past what a 64-bit integer holds.
     #[error("the balance of account {0} would be out of range")]
     BalanceOutOfRange(String),
-    /// A batch posting wrote something other than what was planned under
-    /// the accounts' locks; the caller must roll back.
+    /// Some request's (principal, key) already has a transfer, found only
+    /// when writing: nothing was written, and the caller must roll back and
+    /// post again looking the keys up first (`KeyLookup::First`).
+    #[error("a key of the batch already has its transfer")]
+    KeyAlreadyUsed,
+    /// The posting statement wrote something other than what was planned
+    /// under the accounts' locks; the caller must roll back.
     #[error("posting statement disagreed with its plan: {0}")]
-    PlanMismatch(String),
+    PlanMismatch(#[from] PlanMismatch),
     #[error("database error")]
     Database(#[from] sqlx::Error),
+}
+
+/// How a written batch differed from its plan.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanMismatch {
+    #[error("{written} of {planned} transfers written")]
+    TransfersWritten { written: usize, planned: usize },
+    #[error("{moved} accounts moved, {planned} planned")]
+    AccountsMoved { moved: usize, planned: usize },
+    #[error("transfer {0} written without its entries")]
+    MissingEntries(Uuid),
+    #[error("transfer {0} has entries out of order")]
+    EntryOrder(Uuid),
 }

@@ -6,12 +6,14 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
 
-use super::{AmountMinor, Currency, Description, LedgerError};
+use super::plan::{self, Plan, Planned};
+use super::{AmountMinor, Currency, Description, LedgerError, PlanMismatch};
+use crate::principal::PrincipalId;
 
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Account {
     pub id: String,
-    pub principal_id: Option<Uuid>,
+    pub principal_id: Option<PrincipalId>,
     pub currency: String,
     pub balance_minor: i64,
     pub allow_negative: bool,
@@ -21,7 +23,8 @@ pub struct Account {
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Transfer {
     pub id: Uuid,
-    pub principal_id: Option<Uuid>,
+    pub principal_id: Option<PrincipalId>,
+    pub idempotency_key: String,
     pub request_fingerprint: Vec<u8>,
     pub from_account: String,
     pub to_account: String,
@@ -50,7 +53,7 @@ pub struct Entry {
 #[derive(Debug, Clone)]
 pub struct PostingRequest<'a> {
     /// Who asked; `None` for an operator's deposit.
-    pub principal_id: Option<Uuid>,
+    pub principal_id: Option<PrincipalId>,
     /// The intent's key: unique per principal for ever, so a very late
     /// retry finds the transfer instead of posting a second one.
     pub idempotency_key: &'a str,
@@ -73,11 +76,62 @@ pub enum PostingOutcome {
     InsufficientFunds,
 }
 
+/// What a posting means for the intent that asked for it. The one place
+/// that decides what a late retry gets: a key that already has its
+/// transfer answers with that transfer when the request is the same
+/// intent (the same fingerprint), and is refused for any other request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Posted now.
+    Posted(Transfer),
+    /// Posted earlier under this key by this same intent: nothing moved now.
+    Replayed(Transfer),
+    /// Posted earlier under this key by another intent: nothing moved, the
+    /// request is refused, and the key stays the other intent's.
+    KeyUsedByOther(Transfer),
+    InsufficientFunds,
+}
+
+impl PostingOutcome {
+    pub fn settle(self, fingerprint: &[u8; 32]) -> Settled {
+        match self {
+            Self::Posted(t) => Settled::Posted(t),
+            Self::AlreadyPosted(t) if t.request_fingerprint.as_slice() == fingerprint => {
+                Settled::Replayed(t)
+            }
+            Self::AlreadyPosted(t) => Settled::KeyUsedByOther(t),
+            Self::InsufficientFunds => Settled::InsufficientFunds,
+        }
+    }
+}
+
+/// How a posting transaction takes its accounts' row locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockMode {
+    /// Never wait: rows locked by someone else are left out of the answer
+    /// (`SKIP LOCKED`), and the caller posts what it could lock.
+    SkipLocked,
+    /// Wait for the locks, as long as the session's `lock_timeout` allows.
+    Wait,
+}
+
+/// Whether to look the requests' keys up before planning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyLookup {
+    /// Plan straight away; a key that turns out to have its transfer makes
+    /// the batch fail with [`LedgerError::KeyAlreadyUsed`]. One round trip
+    /// fewer, for the common case where no key was used before.
+    Optimistic,
+    /// Find the transfers the keys already have first (one statement), and
+    /// answer those requests with them instead of planning them.
+    First,
+}
+
 /// A transfer with its debit and credit entry ids; a literal so that the
 /// queries built on it stay static SQL.
 macro_rules! select_transfer {
     () => {
-        "SELECT t.id, t.principal_id, t.request_fingerprint, t.from_account, t.to_account,
+        "SELECT t.id, t.principal_id, t.idempotency_key, t.request_fingerprint, t.from_account, t.to_account,
                 t.currency, t.amount_minor, t.description, t.status, t.receipt_id, t.created_at,
                 d.id AS debit_entry_id, c.id AS credit_entry_id
          FROM transfers t
@@ -96,25 +150,21 @@ pub async fn post_transfer(
     conn: &mut PgConnection,
     request: &PostingRequest<'_>,
 ) -> Result<PostingOutcome, LedgerError> {
-    let mut accounts = lock_accounts(&mut *conn, &[request.from, request.to]).await?;
-    let mut outcomes = post_locked(conn, std::slice::from_ref(request), &mut accounts).await?;
+    let mut accounts =
+        lock_accounts(&mut *conn, &[request.from, request.to], LockMode::Wait).await?;
+    let mut outcomes = post_locked(
+        conn,
+        std::slice::from_ref(request),
+        &mut accounts,
+        KeyLookup::First,
+    )
+    .await?;
     outcomes
         .pop()
-        .ok_or_else(|| LedgerError::PlanMismatch("no outcome for the transfer".to_owned()))
-}
-
-/// A transfer decided under the accounts' locks, before anything is written.
-enum Plan {
-    Post(Planned),
-    InsufficientFunds,
-}
-
-/// A transfer to write, with the balances its two entries record.
-struct Planned {
-    id: Uuid,
-    receipt_id: String,
-    debit_balance_after: i64,
-    credit_balance_after: i64,
+        .ok_or(LedgerError::PlanMismatch(PlanMismatch::TransfersWritten {
+            written: 0,
+            planned: 1,
+        }))
 }
 
 /// What one statement wrote for a transfer.
@@ -142,20 +192,30 @@ struct Written {
 /// its account was left with) and the balances, and checks that every
 /// balance it moved ends where the plan said.
 ///
-/// A transfer whose principal and key already have a transfer (its record
+/// A request whose principal and key already have a transfer (its record
 /// was purged and the client retried late, or an operator repeated a
-/// deposit) is not inserted: alone, it comes back `AlreadyPosted`; among
-/// others, the batch fails and the caller rolls it back and posts one by
-/// one, as for any error.
+/// deposit) is answered `AlreadyPosted` with that transfer: found first
+/// with [`KeyLookup::First`], or else reported as
+/// [`LedgerError::KeyAlreadyUsed`] so the caller rolls back and asks again.
 pub async fn post_locked(
     conn: &mut PgConnection,
     requests: &[PostingRequest<'_>],
     accounts: &mut [Account],
+    lookup: KeyLookup,
 ) -> Result<Vec<PostingOutcome>, LedgerError> {
+    let mut existing = match lookup {
+        KeyLookup::First => find_by_keys(&mut *conn, requests).await?,
+        KeyLookup::Optimistic => HashMap::new(),
+    };
+    let fresh: Vec<PostingRequest<'_>> = requests
+        .iter()
+        .filter(|r| !existing.contains_key(&(r.principal_id, r.idempotency_key.to_owned())))
+        .cloned()
+        .collect();
     // Planned on a copy: `accounts` changes only once the plan is written.
     let mut closing = accounts.to_vec();
-    let plans = plan(requests, &mut closing)?;
-    let posted: Vec<(&PostingRequest<'_>, &Planned)> = requests
+    let plans = plan::plan(&fresh, &mut closing)?;
+    let posted: Vec<(&PostingRequest<'_>, &Planned)> = fresh
         .iter()
         .zip(&plans)
         .filter_map(|(request, plan)| match plan {
@@ -163,160 +223,125 @@ pub async fn post_locked(
             Plan::InsufficientFunds => None,
         })
         .collect();
-    let written = if posted.is_empty() {
-        Vec::new()
+    let mut written = if posted.is_empty() {
+        HashMap::new()
     } else {
-        write_planned(&mut *conn, &posted, accounts, &closing).await?
+        let written = write_planned(&mut *conn, &posted, accounts, &closing).await?;
+        check_written(
+            &written,
+            posted.len(),
+            plan::moved_accounts(accounts, &closing).count(),
+        )?;
+        written.into_iter().map(|w| (w.id, w)).collect()
     };
 
-    if let [request] = requests
-        && !posted.is_empty()
-        && written.is_empty()
-    {
-        // Not inserted: the key already has its transfer.
-        return match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await? {
-            Some(existing) => Ok(vec![PostingOutcome::AlreadyPosted(existing)]),
-            None => Err(LedgerError::Database(sqlx::Error::RowNotFound)),
-        };
-    }
-    let changed = moved_accounts(accounts, &closing).count();
-    if written.len() != posted.len()
-        || written
-            .iter()
-            .any(|w| usize::try_from(w.accounts_moved).ok() != Some(changed))
-    {
-        return Err(LedgerError::PlanMismatch(format!(
-            "{} of {} transfers written, {changed} accounts planned to move",
-            written.len(),
-            posted.len()
-        )));
-    }
-
-    let mut written: HashMap<Uuid, Written> = written.into_iter().map(|w| (w.id, w)).collect();
-    // Entry ids rise in plan order, debit before credit: what the statement
-    // asks for, checked rather than assumed.
+    let mut fresh_outcomes = Vec::with_capacity(fresh.len());
     let mut last_entry_id = 0;
-    let mut outcomes = Vec::with_capacity(requests.len());
-    for (request, plan) in requests.iter().zip(plans) {
+    for (request, plan) in fresh.iter().zip(plans) {
         let outcome = match plan {
-            Plan::Post(Planned { id, receipt_id, .. }) => {
-                let Some(Written {
-                    created_at,
-                    status,
-                    debit_entry_id: Some(debit_entry_id),
-                    credit_entry_id: Some(credit_entry_id),
-                    ..
-                }) = written.remove(&id)
-                else {
-                    return Err(LedgerError::PlanMismatch(format!(
-                        "transfer {id} written without its entries"
-                    )));
-                };
-                if !(last_entry_id < debit_entry_id && debit_entry_id < credit_entry_id) {
-                    return Err(LedgerError::PlanMismatch(format!(
-                        "transfer {id} has entries {debit_entry_id} and {credit_entry_id} after entry {last_entry_id}"
-                    )));
-                }
-                last_entry_id = credit_entry_id;
-                // The row as written, built from what was sent and what came
-                // back instead of read again.
-                PostingOutcome::Posted(Transfer {
-                    id,
-                    principal_id: request.principal_id,
-                    request_fingerprint: request.fingerprint.to_vec(),
-                    from_account: request.from.to_owned(),
-                    to_account: request.to.to_owned(),
-                    currency: request.currency.as_str().to_owned(),
-                    amount_minor: request.amount.get(),
-                    description: request.description.map(|d| d.as_str().to_owned()),
-                    status,
-                    receipt_id,
-                    created_at,
-                    debit_entry_id,
-                    credit_entry_id,
-                })
+            Plan::Post(planned) => {
+                let row = written.remove(&planned.id);
+                let transfer = written_transfer(request, planned, row, last_entry_id)?;
+                last_entry_id = transfer.credit_entry_id;
+                PostingOutcome::Posted(transfer)
             }
             // A late retry of an intent that already moved the money must
             // find its transfer, not a rejection caused by that same debit.
-            Plan::InsufficientFunds => {
-                match find_by_key(&mut *conn, request.principal_id, request.idempotency_key).await?
-                {
-                    Some(existing) => PostingOutcome::AlreadyPosted(existing),
-                    None => PostingOutcome::InsufficientFunds,
+            Plan::InsufficientFunds => match lookup {
+                KeyLookup::First => PostingOutcome::InsufficientFunds,
+                KeyLookup::Optimistic => {
+                    match find_by_key(&mut *conn, request.principal_id, request.idempotency_key)
+                        .await?
+                    {
+                        Some(found) => PostingOutcome::AlreadyPosted(found),
+                        None => PostingOutcome::InsufficientFunds,
+                    }
                 }
-            }
+            },
         };
-        outcomes.push(outcome);
+        fresh_outcomes.push(outcome);
     }
     accounts.clone_from_slice(&closing);
-    Ok(outcomes)
-}
-
-/// The accounts whose balance the plan changes, with their opening and
-/// closing balances.
-fn moved_accounts<'a>(
-    opening: &'a [Account],
-    closing: &'a [Account],
-) -> impl Iterator<Item = (&'a Account, i64)> + 'a {
-    opening
+    let mut fresh_outcomes = fresh_outcomes.into_iter();
+    Ok(requests
         .iter()
-        .zip(closing)
-        .filter(|(before, after)| before.balance_minor != after.balance_minor)
-        .map(|(before, after)| (after, before.balance_minor))
+        .filter_map(
+            |r| match existing.remove(&(r.principal_id, r.idempotency_key.to_owned())) {
+                Some(found) => Some(PostingOutcome::AlreadyPosted(found)),
+                None => fresh_outcomes.next(),
+            },
+        )
+        .collect())
 }
 
-/// Decides each transfer in order against the locked balances, moving them
-/// in `accounts` as it goes.
-fn plan(
-    requests: &[PostingRequest<'_>],
-    accounts: &mut [Account],
-) -> Result<Vec<Plan>, LedgerError> {
-    let position = |accounts: &[Account], id: &str| {
-        accounts
-            .iter()
-            .position(|a| a.id == id)
-            .ok_or_else(|| LedgerError::AccountNotFound(id.to_owned()))
-    };
-    let mut plans = Vec::with_capacity(requests.len());
-    for request in requests {
-        let (from, to) = (
-            position(accounts, request.from)?,
-            position(accounts, request.to)?,
-        );
-        for account in [&accounts[from], &accounts[to]] {
-            if account.currency != request.currency.as_str() {
-                return Err(LedgerError::CurrencyMismatch {
-                    transfer: request.currency.to_string(),
-                    account: account.id.clone(),
-                    account_currency: account.currency.clone(),
-                });
-            }
-        }
-        let amount = request.amount.get();
-        let source = &accounts[from];
-        if !source.allow_negative && source.balance_minor < amount {
-            plans.push(Plan::InsufficientFunds);
-            continue;
-        }
-        let out_of_range = |account: &Account| LedgerError::BalanceOutOfRange(account.id.clone());
-        let debited = accounts[from]
-            .balance_minor
-            .checked_sub(amount)
-            .ok_or_else(|| out_of_range(&accounts[from]))?;
-        let credited = accounts[to]
-            .balance_minor
-            .checked_add(amount)
-            .ok_or_else(|| out_of_range(&accounts[to]))?;
-        accounts[from].balance_minor = debited;
-        accounts[to].balance_minor = credited;
-        plans.push(Plan::Post(Planned {
-            id: Uuid::now_v7(),
-            receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
-            debit_balance_after: debited,
-            credit_balance_after: credited,
-        }));
+/// The statement inserts every transfer or writes nothing else: fewer rows
+/// back means some key already had its transfer.
+fn check_written(
+    written: &[Written],
+    planned: usize,
+    accounts_planned: usize,
+) -> Result<(), LedgerError> {
+    if written.len() < planned {
+        return Err(LedgerError::KeyAlreadyUsed);
     }
-    Ok(plans)
+    if written.len() != planned {
+        return Err(PlanMismatch::TransfersWritten {
+            written: written.len(),
+            planned,
+        }
+        .into());
+    }
+    if let Some(w) = written
+        .iter()
+        .find(|w| usize::try_from(w.accounts_moved).ok() != Some(accounts_planned))
+    {
+        return Err(PlanMismatch::AccountsMoved {
+            moved: usize::try_from(w.accounts_moved).unwrap_or(usize::MAX),
+            planned: accounts_planned,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// The row as written, built from what was sent and what came back instead
+/// of read again. Entry ids rise in plan order, debit before credit: what
+/// the statement asks for, checked rather than assumed.
+fn written_transfer(
+    request: &PostingRequest<'_>,
+    planned: Planned,
+    written: Option<Written>,
+    last_entry_id: i64,
+) -> Result<Transfer, LedgerError> {
+    let Some(Written {
+        created_at,
+        status,
+        debit_entry_id: Some(debit_entry_id),
+        credit_entry_id: Some(credit_entry_id),
+        ..
+    }) = written
+    else {
+        return Err(PlanMismatch::MissingEntries(planned.id).into());
+    };
+    if !(last_entry_id < debit_entry_id && debit_entry_id < credit_entry_id) {
+        return Err(PlanMismatch::EntryOrder(planned.id).into());
+    }
+    Ok(Transfer {
+        id: planned.id,
+        principal_id: request.principal_id,
+        idempotency_key: request.idempotency_key.to_owned(),
+        request_fingerprint: request.fingerprint.to_vec(),
+        from_account: request.from.to_owned(),
+        to_account: request.to.to_owned(),
+        currency: request.currency.as_str().to_owned(),
+        amount_minor: request.amount.get(),
+        description: request.description.map(|d| d.as_str().to_owned()),
+        status,
+        receipt_id: planned.receipt_id,
+        created_at,
+        debit_entry_id,
+        credit_entry_id,
+    })
 }
 
 /// The one statement that writes planned transfers: the transfer rows, then
@@ -333,39 +358,32 @@ async fn write_planned(
     closing: &[Account],
 ) -> Result<Vec<Written>, sqlx::Error> {
     let mut t = TransferColumns::default();
-    let mut e = EntryColumns::default();
     for (request, planned) in posted {
-        let Planned {
-            id,
-            receipt_id,
-            debit_balance_after,
-            credit_balance_after,
-        } = planned;
-        let amount = request.amount.get();
-        t.ids.push(*id);
+        t.ids.push(planned.id);
         t.principals.push(request.principal_id);
         t.keys.push(request.idempotency_key);
         t.fingerprints.push(request.fingerprint.as_slice());
         t.froms.push(request.from);
         t.tos.push(request.to);
         t.currencies.push(request.currency.as_str());
-        t.amounts.push(amount);
+        t.amounts.push(request.amount.get());
         t.descriptions
             .push(request.description.map(Description::as_str));
-        t.receipts.push(receipt_id.as_str());
-        for (account, signed, after) in [
-            (request.from, -amount, *debit_balance_after),
-            (request.to, amount, *credit_balance_after),
-        ] {
-            e.transfers.push(*id);
-            e.accounts.push(account);
-            e.currencies.push(request.currency.as_str());
-            e.amounts.push(signed);
-            e.balances_after.push(after);
-        }
+        t.receipts.push(planned.receipt_id.as_str());
+    }
+    let mut e = EntryColumns::default();
+    for (entry, currency) in plan::entries(posted)
+        .into_iter()
+        .zip(posted.iter().flat_map(|(r, _)| [r.currency.as_str(); 2]))
+    {
+        e.transfers.push(entry.transfer_id);
+        e.accounts.push(entry.account_id);
+        e.currencies.push(currency);
+        e.amounts.push(entry.amount_minor);
+        e.balances_after.push(entry.balance_after_minor);
     }
     let (mut moved_ids, mut openings, mut closings) = (Vec::new(), Vec::new(), Vec::new());
-    for (account, before) in moved_accounts(opening, closing) {
+    for (account, before) in plan::moved_accounts(opening, closing) {
         moved_ids.push(account.id.as_str());
         openings.push(before);
         closings.push(account.balance_minor);
@@ -428,7 +446,7 @@ async fn write_planned(
 #[derive(Default)]
 struct TransferColumns<'a> {
     ids: Vec<Uuid>,
-    principals: Vec<Option<Uuid>>,
+    principals: Vec<Option<PrincipalId>>,
     keys: Vec<&'a str>,
     fingerprints: Vec<&'a [u8]>,
     froms: Vec<&'a str>,
@@ -452,22 +470,71 @@ struct EntryColumns<'a> {
 /// every transaction that locks accounts does it through here, so no two
 /// can wait on each other in a cycle. Locking an account this transaction
 /// already holds is free.
+///
+/// With [`LockMode::SkipLocked`] the statement never waits: the accounts
+/// it returns are locked, and the missing ones are held by another
+/// transaction (PostgreSQL's `SKIP LOCKED`).
 pub async fn lock_accounts(
     conn: &mut PgConnection,
     ids: &[&str],
+    mode: LockMode,
 ) -> Result<Vec<Account>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, allow_negative
-         FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-    )
-    .bind(ids)
-    .fetch_all(conn)
-    .await
+    let query = match mode {
+        LockMode::Wait => {
+            "SELECT id, principal_id, currency, balance_minor, allow_negative
+             FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE"
+        }
+        LockMode::SkipLocked => {
+            "SELECT id, principal_id, currency, balance_minor, allow_negative
+             FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED"
+        }
+    };
+    sqlx::query_as(query).bind(ids).fetch_all(conn).await
+}
+
+/// The transfers some of the requests' keys already have, by (principal,
+/// key), in one statement through the (principal_id, idempotency_key)
+/// index. Deposits (no principal) are looked up one by one: they come from
+/// the operator's command, never in batches.
+async fn find_by_keys(
+    conn: &mut PgConnection,
+    requests: &[PostingRequest<'_>],
+) -> Result<HashMap<(Option<PrincipalId>, String), Transfer>, LedgerError> {
+    let mut found = HashMap::new();
+    let (mut principals, mut keys) = (Vec::new(), Vec::new());
+    for request in requests {
+        match request.principal_id {
+            Some(principal) => {
+                principals.push(principal);
+                keys.push(request.idempotency_key);
+            }
+            None => {
+                if let Some(t) = find_by_key(&mut *conn, None, request.idempotency_key).await? {
+                    found.insert((None, request.idempotency_key.to_owned()), t);
+                }
+            }
+        }
+    }
+    if !principals.is_empty() {
+        let transfers: Vec<Transfer> = sqlx::query_as(concat!(
+            select_transfer!(),
+            " JOIN unnest($1::uuid[], $2::text[]) AS k(principal_id, idempotency_key)
+              ON t.principal_id = k.principal_id AND t.idempotency_key = k.idempotency_key"
+        ))
+        .bind(&principals)
+        .bind(&keys)
+        .fetch_all(&mut *conn)
+        .await?;
+        for t in transfers {
+            found.insert((t.principal_id, t.idempotency_key.clone()), t);
+        }
+    }
+    Ok(found)
 }
 
 async fn find_by_key(
     conn: &mut PgConnection,
-    principal_id: Option<Uuid>,
+    principal_id: Option<PrincipalId>,
     idempotency_key: &str,
 ) -> Result<Option<Transfer>, sqlx::Error> {
     // Two statements, not `principal_id IS NOT DISTINCT FROM $1`: the planner

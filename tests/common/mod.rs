@@ -10,7 +10,7 @@ pub mod proxy;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nexo_transfers::config::{HttpConfig, RateLimitConfig};
+use nexo_transfers::config::{HttpConfig, PostingConfig, RateLimitConfig};
 use nexo_transfers::http::operations::Operations;
 use nexo_transfers::http::{AppConfig, AppState};
 use nexo_transfers::idempotency::Policy;
@@ -96,6 +96,7 @@ impl TestApp {
             AppConfig {
                 idempotency: policy,
                 http,
+                posting: PostingConfig::default(),
             },
         )
         .await
@@ -227,13 +228,14 @@ impl Metrics {
 /// Claims `key` for principal A with `body`'s fingerprint, as a request
 /// that is still running (or whose process died) would hold it.
 pub async fn claim_for_a(pool: &PgPool, key: &str, body: &Value) {
-    use nexo_transfers::http::transfers::{TransferBody, TransferIntent};
-    use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, Scope, store};
+    use nexo_transfers::db::KeyPool;
+    use nexo_transfers::idempotency::{ClaimOutcome, IdempotencyKey, store};
+    use nexo_transfers::transfers::intent::{TransferBody, TransferIntent};
     let body: TransferBody = serde_json::from_value(body.clone()).expect("a transfer body");
     let outcome = store::claim(
-        pool,
+        &KeyPool::beside(pool),
         default_policy(),
-        Scope(principal_a(pool).await),
+        principal_a(pool).await,
         &IdempotencyKey::from_inner(key.to_owned()).expect("a valid key"),
         "POST",
         "/transfers",
@@ -247,7 +249,7 @@ pub async fn claim_for_a(pool: &PgPool, key: &str, body: &Value) {
 }
 
 /// Principal A's id (the idempotency scope of `TOKEN_A`).
-pub async fn principal_a(pool: &PgPool) -> uuid::Uuid {
+pub async fn principal_a(pool: &PgPool) -> nexo_transfers::principal::PrincipalId {
     nexo_transfers::auth::principal_for_token(pool, TOKEN_A)
         .await
         .expect("principal lookup")

@@ -13,7 +13,7 @@ use uuid::Uuid;
 use nexo_transfers::reconcile::{self, Report};
 
 use crate::Error;
-use crate::run::{Answer, Observation};
+use crate::observation::{Answer, Observation};
 use crate::scenario::Plan;
 
 /// Violations listed by name in the report; the rest are only counted.

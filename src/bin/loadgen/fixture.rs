@@ -99,7 +99,7 @@ pub async fn setup(database_url: &str, args: &SetupArgs) -> Result<bool, Error> 
             .map_err(|e| format!("{e} (setup needs a fresh database)"))?;
         principals.push(FixturePrincipal {
             name: created.name,
-            id: created.principal_id,
+            id: created.principal_id.as_uuid(),
             token: created.token,
         });
     }

@@ -10,6 +10,7 @@
 
 mod check;
 mod fixture;
+mod observation;
 mod run;
 mod scenario;
 

@@ -10,11 +10,11 @@
 use std::time::{Duration, Instant};
 
 use quick_cache::sync::Cache;
-use uuid::Uuid;
 
 use crate::auth;
 use crate::idempotency::{Fingerprint, StoredResponse};
 use crate::ledger::Account;
+use crate::principal::PrincipalId;
 
 /// Tokens remembered at once. An entry is about 64 bytes, so the cache stays
 /// under a megabyte; far more than the active callers of one instance.
@@ -48,7 +48,7 @@ pub const REPLAY_CACHE_TTL: Duration = Duration::from_secs(60);
 /// The owner and currency of an account: the facts checked before a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AccountFacts {
-    pub principal_id: Option<Uuid>,
+    pub principal_id: Option<PrincipalId>,
     pub currency: String,
 }
 
@@ -63,10 +63,10 @@ impl From<&Account> for AccountFacts {
 
 pub struct Caches {
     /// By the token's SHA-256, so no token is kept in memory.
-    principals: Cache<[u8; 32], (Uuid, Instant)>,
+    principals: Cache<[u8; 32], (PrincipalId, Instant)>,
     accounts: Cache<String, (AccountFacts, Instant)>,
     /// By scope and key; the fingerprint must match to replay.
-    replays: Cache<(Uuid, String), (Completed, Instant)>,
+    replays: Cache<(PrincipalId, String), (Completed, Instant)>,
     replay_ttl: Duration,
 }
 
@@ -92,7 +92,7 @@ impl Caches {
     /// here: the database decides (422, or a new intent after expiry).
     pub fn replay(
         &self,
-        scope: Uuid,
+        scope: PrincipalId,
         key: &str,
         fingerprint: &Fingerprint,
     ) -> Option<StoredResponse> {
@@ -105,7 +105,7 @@ impl Caches {
     /// as `COMPLETED` (just committed, or read back for a replay).
     pub fn remember_completed(
         &self,
-        scope: Uuid,
+        scope: PrincipalId,
         key: &str,
         fingerprint: &Fingerprint,
         response: &StoredResponse,
@@ -118,14 +118,14 @@ impl Caches {
             .insert((scope, key.to_owned()), (completed, Instant::now()));
     }
 
-    pub fn principal(&self, token: &str) -> Option<Uuid> {
+    pub fn principal(&self, token: &str) -> Option<PrincipalId> {
         fresh(
             self.principals.get(&auth::token_sha256(token)),
             PRINCIPAL_CACHE_TTL,
         )
     }
 
-    pub fn remember_principal(&self, token: &str, id: Uuid) {
+    pub fn remember_principal(&self, token: &str, id: PrincipalId) {
         self.principals
             .insert(auth::token_sha256(token), (id, Instant::now()));
     }
@@ -147,11 +147,16 @@ fn fresh<T>(entry: Option<(T, Instant)>, ttl: Duration) -> Option<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
+
+    fn new_principal() -> PrincipalId {
+        PrincipalId(Uuid::now_v7())
+    }
 
     fn account(id: &str) -> Account {
         Account {
             id: id.to_owned(),
-            principal_id: Some(Uuid::now_v7()),
+            principal_id: Some(new_principal()),
             currency: "USD".to_owned(),
             balance_minor: 5,
             allow_negative: false,
@@ -165,9 +170,9 @@ mod tests {
     #[test]
     fn a_remembered_principal_is_found_by_its_token_only() {
         let caches = caches();
-        let id = Uuid::now_v7();
-        caches.remember_principal("tok_a", id);
-        assert_eq!(caches.principal("tok_a"), Some(id));
+        let principal = new_principal();
+        caches.remember_principal("tok_a", principal);
+        assert_eq!(caches.principal("tok_a"), Some(principal));
         assert_eq!(caches.principal("tok_b"), None);
     }
 
@@ -183,12 +188,15 @@ mod tests {
     #[test]
     fn a_completed_answer_replays_only_for_its_scope_key_and_fingerprint() {
         let caches = caches();
-        let (scope, other_scope) = (Uuid::now_v7(), Uuid::now_v7());
+        let (scope, other_scope) = (new_principal(), new_principal());
         let fingerprint = Fingerprint::compute("POST", "/transfers", b"{}");
         let other = Fingerprint::compute("POST", "/transfers", b"{\"a\":1}");
         let response = StoredResponse {
-            status: 201,
-            headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+            status: http::StatusCode::CREATED,
+            headers: vec![(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            )],
             body: bytes::Bytes::from_static(b"{}"),
         };
         caches.remember_completed(scope, "k1", &fingerprint, &response);

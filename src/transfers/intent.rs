@@ -1,0 +1,247 @@
+//! A transfer intent: the request body as a client sends it, parsed into
+//! typed values, and its canonical form and fingerprint.
+
+use serde::{Deserialize, Serialize};
+
+use crate::idempotency::Fingerprint;
+use crate::ledger::{AccountId, AmountMinor, Currency, Description};
+
+/// The route template that enters the fingerprint.
+pub const ROUTE: &str = "/transfers";
+
+/// The body of `POST /transfers`, exactly as a client may send it. Unknown
+/// and duplicated fields are errors; `amount_minor` must be a JSON integer.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransferBody {
+    pub from: String,
+    pub to: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// Why a request was refused before its key was claimed: such a refusal
+/// never touches `idempotency_keys`, so a corrected request may reuse the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValidationKind {
+    InvalidAmount,
+    UnsupportedCurrency,
+    CurrencyMismatch,
+    SameAccount,
+    InvalidAccountId,
+    UnknownDestination,
+    InvalidDescription,
+}
+
+impl ValidationKind {
+    /// The stable last segment of the problem `type` URI.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Self::InvalidAmount => "invalid-amount",
+            Self::UnsupportedCurrency => "unsupported-currency",
+            Self::CurrencyMismatch => "currency-mismatch",
+            Self::SameAccount => "same-account",
+            Self::InvalidAccountId => "invalid-account-id",
+            Self::UnknownDestination => "unknown-destination",
+            Self::InvalidDescription => "invalid-description",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::InvalidAmount => "Invalid amount",
+            Self::UnsupportedCurrency => "Unsupported currency",
+            Self::CurrencyMismatch => "Currency does not match the accounts",
+            Self::SameAccount => "Source and destination are the same account",
+            Self::InvalidAccountId => "Invalid account id",
+            Self::UnknownDestination => "Unknown destination account",
+            Self::InvalidDescription => "Invalid description",
+        }
+    }
+}
+
+/// A refused request: what is wrong, and the text that says so.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{detail}")]
+pub struct Invalid {
+    pub kind: ValidationKind,
+    pub detail: String,
+}
+
+impl Invalid {
+    pub fn new(kind: ValidationKind, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// A transfer request that passed every check that does not need the
+/// database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferIntent {
+    pub from: AccountId,
+    pub to: AccountId,
+    pub amount: AmountMinor,
+    pub currency: Currency,
+    pub description: Option<Description>,
+}
+
+/// The canonical form that is hashed: fixed field order, typed values, no
+/// whitespace. Two bodies that differ only in field order or formatting
+/// produce the same bytes.
+#[derive(Serialize)]
+struct CanonicalTransfer<'a> {
+    from: &'a str,
+    to: &'a str,
+    amount_minor: i64,
+    currency: &'a str,
+    description: Option<&'a str>,
+}
+
+impl TransferIntent {
+    /// Parses and validates a body without touching the database.
+    pub fn parse(body: &TransferBody) -> Result<Self, Invalid> {
+        let account = |field: &str, value: &str| {
+            AccountId::parse(value).map_err(|e| {
+                Invalid::new(ValidationKind::InvalidAccountId, format!("{field}: {e}"))
+            })
+        };
+        let from = account("from", &body.from)?;
+        let to = account("to", &body.to)?;
+        let amount = AmountMinor::parse(body.amount_minor)
+            .map_err(|e| Invalid::new(ValidationKind::InvalidAmount, e.to_string()))?;
+        let currency = Currency::parse(&body.currency)
+            .map_err(|e| Invalid::new(ValidationKind::UnsupportedCurrency, e.to_string()))?;
+        if from == to {
+            return Err(Invalid::new(
+                ValidationKind::SameAccount,
+                "from and to must be different accounts",
+            ));
+        }
+        let description = body
+            .description
+            .as_deref()
+            .map(Description::parse)
+            .transpose()
+            .map_err(|e| Invalid::new(ValidationKind::InvalidDescription, e.to_string()))?;
+        Ok(Self {
+            from,
+            to,
+            amount,
+            currency,
+            description,
+        })
+    }
+
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        let canonical = CanonicalTransfer {
+            from: self.from.as_str(),
+            to: self.to.as_str(),
+            amount_minor: self.amount.get(),
+            currency: self.currency.as_str(),
+            description: self.description.as_ref().map(Description::as_str),
+        };
+        // Serialising strings and an integer into a Vec cannot fail.
+        serde_json::to_vec(&canonical).unwrap_or_default()
+    }
+
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::compute("POST", ROUTE, &self.canonical_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(json: &str) -> TransferBody {
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("{json}: {e}"))
+    }
+
+    fn fingerprint(json: &str) -> Fingerprint {
+        TransferIntent::parse(&body(json))
+            .map(|i| i.fingerprint())
+            .unwrap_or_else(|e| panic!("{json}: {e}"))
+    }
+
+    #[test]
+    fn field_order_and_whitespace_do_not_change_the_fingerprint() {
+        assert_eq!(
+            fingerprint(r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD"}"#),
+            fingerprint(
+                r#"{ "currency" : "USD",
+                    "amount_minor": 5, "to":"acc_2", "from":"acc_1" }"#
+            )
+        );
+    }
+
+    #[test]
+    fn an_absent_description_equals_a_null_one() {
+        assert_eq!(
+            fingerprint(r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD"}"#),
+            fingerprint(
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","description":null}"#
+            )
+        );
+    }
+
+    #[test]
+    fn any_changed_value_changes_the_fingerprint() {
+        let base =
+            fingerprint(r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD"}"#);
+        for other in [
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":6,"currency":"USD"}"#,
+            r#"{"from":"acc_1","to":"acc_3","amount_minor":5,"currency":"USD"}"#,
+            r#"{"from":"acc_3","to":"acc_2","amount_minor":5,"currency":"USD"}"#,
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"EUR"}"#,
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","description":""}"#,
+        ] {
+            assert_ne!(base, fingerprint(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn non_integer_and_out_of_range_amounts_are_not_parsed() {
+        for amount in [
+            "1.0",
+            "1e3",
+            "\"5\"",
+            "9223372036854775808",
+            "-9223372036854775809",
+            "true",
+        ] {
+            let json = format!(
+                r#"{{"from":"acc_1","to":"acc_2","amount_minor":{amount},"currency":"USD"}}"#
+            );
+            assert!(
+                serde_json::from_str::<TransferBody>(&json).is_err(),
+                "{amount}"
+            );
+        }
+    }
+
+    #[test]
+    fn duplicated_and_unknown_fields_are_not_parsed() {
+        for json in [
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"amount_minor":6,"currency":"USD"}"#,
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","memo":"x"}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<TransferBody>(json).is_err(),
+                "{json}"
+            );
+        }
+    }
+
+    #[test]
+    fn negative_zero_is_not_an_integer_amount() {
+        // serde_json reads `-0` as the float -0.0, so it is refused like any
+        // other non-integer rather than silently becoming a zero amount.
+        let json = r#"{"from":"acc_1","to":"acc_2","amount_minor":-0,"currency":"USD"}"#;
+        assert!(serde_json::from_str::<TransferBody>(json).is_err());
+    }
+}

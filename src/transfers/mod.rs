@@ -1,0 +1,467 @@
+//! The transfers service: everything between an authenticated request and
+//! the ledger, without HTTP. `http::transfers` extracts a request, calls
+//! [`Transfers::create`], and maps the result to a response; a test or a
+//! fuzz target reaches the same code without a socket.
+//!
+//! - [`intent`]: the request body, its typed intent, canonical form and
+//!   fingerprint.
+//! - [`checks`]: what is checked against the database before the claim.
+//! - [`scheduler`]: which queued posting may run next, and admission.
+//! - [`posting`]: batches, lock waiters, bounds, shutdown.
+//! - [`render`]: a transfer's JSON.
+
+pub mod checks;
+pub mod intent;
+pub mod posting;
+pub mod render;
+pub mod scheduler;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use sqlx::PgPool;
+use tracing::Instrument;
+
+use crate::caches::Caches;
+use crate::db::{self, KeyPool};
+use crate::idempotency::{
+    ClaimOutcome, Fingerprint, IdempotencyKey, Policy, StoredResponse, store,
+};
+use crate::principal::PrincipalId;
+use crate::problem::Problem;
+use crate::telemetry;
+use intent::{Invalid, ROUTE, TransferBody, TransferIntent};
+use posting::{ClaimedTransfer, PostingFailure, Postings, Settings};
+use scheduler::{Admission, Refusal};
+
+/// What a 409 tells the client to wait: a posting takes milliseconds, so one
+/// second is enough for the first request to finish in the normal case.
+pub const IN_FLIGHT_RETRY_AFTER_SECS: u64 = 1;
+
+/// An answer to send: stored under the key (or replayed from it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferAnswer {
+    pub response: StoredResponse,
+    /// Sent with `Idempotent-Replayed: true`.
+    pub replayed: bool,
+}
+
+impl TransferAnswer {
+    pub fn new(response: StoredResponse) -> Self {
+        Self {
+            response,
+            replayed: false,
+        }
+    }
+
+    pub fn replayed(response: StoredResponse) -> Self {
+        Self {
+            response,
+            replayed: true,
+        }
+    }
+}
+
+/// Refusals decided by the ledger or by a key's history, stored and
+/// replayed like a success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    InsufficientFunds,
+    KeyReused,
+}
+
+impl Rejection {
+    pub fn problem(self) -> Problem {
+        match self {
+            Self::InsufficientFunds => Problem {
+                slug: "insufficient-funds",
+                title: "Insufficient funds",
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                detail: "the source account balance cannot cover this transfer".to_owned(),
+            },
+            Self::KeyReused => Problem {
+                slug: "idempotency-key-reused",
+                title: "Idempotency key reused",
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                detail: "this idempotency key was already used for a different request; use a \
+                         new key for a new transfer, or resend the original body to get the \
+                         original result"
+                    .to_owned(),
+            },
+        }
+    }
+}
+
+/// Why a transfer request got no stored answer.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
+    /// The source account is not the caller's (or does not exist: the two
+    /// are indistinguishable to the caller).
+    #[error("not found")]
+    SourceNotFound,
+    /// The key was used for another request.
+    #[error("idempotency key reused")]
+    KeyReused,
+    /// Another request holds the key.
+    #[error("a request with this key is in flight")]
+    InFlight,
+    /// Not posted, and safe to send again: the key is free (or was never
+    /// claimed). Carries why, for logs and metrics.
+    #[error("not posted: {0}")]
+    Retryable(RetryReason),
+    #[error("internal error")]
+    Internal,
+}
+
+/// Why a request may simply be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RetryReason {
+    #[error("too many transfers queued on one of its accounts")]
+    AccountQueueFull,
+    #[error("too many transfers queued")]
+    QueueFull,
+    #[error("shutting down")]
+    ShuttingDown,
+    #[error("an account stayed locked")]
+    LockTimeout,
+    #[error("waited in the queue past its bound")]
+    QueueTimeout,
+    #[error("the database is unavailable")]
+    Unavailable,
+}
+
+impl From<Refusal> for RetryReason {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::AccountQueueFull => Self::AccountQueueFull,
+            Refusal::QueueFull => Self::QueueFull,
+            Refusal::Closed => Self::ShuttingDown,
+        }
+    }
+}
+
+impl From<sqlx::Error> for TransferError {
+    fn from(e: sqlx::Error) -> Self {
+        if matches!(e, sqlx::Error::PoolTimedOut) {
+            telemetry::pool_acquire_timeout();
+        }
+        if db::classify(&e).is_retryable() {
+            tracing::warn!(error = %e, "database unavailable");
+            Self::Retryable(RetryReason::Unavailable)
+        } else {
+            tracing::error!(error = %e, "database error");
+            Self::Internal
+        }
+    }
+}
+
+/// The transfers service of one instance.
+pub struct Transfers {
+    pub pool: PgPool,
+    pub keys: KeyPool,
+    pub policy: Policy,
+    pub caches: Arc<Caches>,
+    /// The `currencies` table, read at start-up: it only changes by migration.
+    pub currencies: HashSet<String>,
+    pub postings: Arc<Postings>,
+}
+
+/// How the request's key was used, once per request, on its span and in
+/// the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyOutcome {
+    Claimed,
+    TakenOver,
+    Replayed,
+    Mismatch,
+    InFlight,
+    FenceLost,
+    Failed,
+}
+
+impl KeyOutcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Claimed => "claimed",
+            Self::TakenOver => "taken_over",
+            Self::Replayed => "replayed",
+            Self::Mismatch => "mismatch",
+            Self::InFlight => "in_flight",
+            Self::FenceLost => "fence_lost",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+impl Transfers {
+    pub async fn new(
+        pool: PgPool,
+        policy: Policy,
+        settings: Settings,
+    ) -> Result<Arc<Self>, sqlx::Error> {
+        let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
+        let keys = KeyPool::beside(&pool);
+        Ok(Arc::new(Self {
+            postings: Postings::new(pool.clone(), keys.clone(), settings),
+            pool,
+            keys,
+            policy,
+            caches: Arc::new(Caches::new(policy.ttl)),
+            currencies: currencies.into_iter().collect(),
+        }))
+    }
+
+    /// One transfer intent under its key: refused before the claim, replayed,
+    /// or claimed and posted exactly once.
+    pub async fn create(
+        self: &Arc<Self>,
+        principal: PrincipalId,
+        key: IdempotencyKey,
+        body: &TransferBody,
+    ) -> Result<TransferAnswer, TransferError> {
+        let (outcome, result) = match TransferIntent::parse(body) {
+            Ok(intent) => self.create_counted(principal, key, intent).await,
+            Err(invalid) => (None, Err(invalid.into())),
+        };
+        if let Some(outcome) = outcome {
+            tracing::Span::current().record("idempotency_outcome", outcome.label());
+            telemetry::idempotency_outcome(outcome.label());
+        }
+        if let Err(e) = &result
+            && let Some(slug) = rejection_slug(e)
+        {
+            telemetry::transfer_rejected(slug);
+        }
+        result
+    }
+
+    async fn create_counted(
+        self: &Arc<Self>,
+        principal: PrincipalId,
+        key: IdempotencyKey,
+        intent: TransferIntent,
+    ) -> (Option<KeyOutcome>, Result<TransferAnswer, TransferError>) {
+        if let Err(e) = checks::check_against_accounts(self, principal, &intent).await {
+            return (None, Err(e));
+        }
+        let fingerprint = intent.fingerprint();
+        // An intent completed lately is replayed from memory: no round trip.
+        if let Some(stored) = self.caches.replay(principal, key.as_str(), &fingerprint) {
+            return (
+                Some(KeyOutcome::Replayed),
+                Ok(TransferAnswer::replayed(stored)),
+            );
+        }
+        let admission = match self.postings.admit(&intent) {
+            Ok(admission) => admission,
+            Err(refusal) => return (None, Err(TransferError::Retryable(refusal.into()))),
+        };
+        // The claim and the wait for the posting run in a task of their own.
+        // If the client hangs up, hyper drops this future; were the claim
+        // awaited here, a claim committed just before that would be left
+        // IN_PROGRESS for a whole lease. Once claimed, the posting layer
+        // owns the key and always ends it.
+        let task = tokio::spawn(
+            Arc::clone(self)
+                .claim_and_post(principal, key, fingerprint, intent, admission)
+                .in_current_span(),
+        );
+        match task.await {
+            Ok(done) => done,
+            Err(join_error) => {
+                tracing::error!(error = %join_error, "transfer task did not finish");
+                (Some(KeyOutcome::Failed), Err(TransferError::Internal))
+            }
+        }
+    }
+
+    async fn claim_and_post(
+        self: Arc<Self>,
+        principal: PrincipalId,
+        key: IdempotencyKey,
+        fingerprint: Fingerprint,
+        intent: TransferIntent,
+        admission: Admission,
+    ) -> (Option<KeyOutcome>, Result<TransferAnswer, TransferError>) {
+        let claimed = store::claim(
+            &self.keys,
+            self.policy,
+            principal,
+            &key,
+            "POST",
+            ROUTE,
+            &fingerprint,
+        )
+        .await;
+        let claim = match claimed {
+            Err(e) => return (None, Err(e.into())),
+            Ok(ClaimOutcome::Replay(stored)) => {
+                self.caches
+                    .remember_completed(principal, key.as_str(), &fingerprint, &stored);
+                return (
+                    Some(KeyOutcome::Replayed),
+                    Ok(TransferAnswer::replayed(stored)),
+                );
+            }
+            Ok(ClaimOutcome::Mismatch) => {
+                return (Some(KeyOutcome::Mismatch), Err(TransferError::KeyReused));
+            }
+            Ok(ClaimOutcome::InFlight { .. }) => {
+                return (Some(KeyOutcome::InFlight), Err(TransferError::InFlight));
+            }
+            Ok(ClaimOutcome::Claimed(claim)) => claim,
+        };
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("transfer::after_claim");
+        let claimed_as = if claim.took_over {
+            KeyOutcome::TakenOver
+        } else {
+            KeyOutcome::Claimed
+        };
+        let transfer = ClaimedTransfer {
+            claim,
+            fingerprint,
+            intent,
+        };
+        let (lost, result) = self.post_resolved(transfer, admission).await;
+        let outcome = match &result {
+            _ if lost => KeyOutcome::FenceLost,
+            Ok(_) => claimed_as,
+            Err(_) => KeyOutcome::Failed,
+        };
+        (Some(outcome), result)
+    }
+
+    /// Posts a transfer whose key this caller claimed, and answers for it:
+    /// with the stored answer, or, when its claim was taken over meanwhile,
+    /// with the key's completed answer if the other request completed this
+    /// same intent (409 while it is still running).
+    pub async fn execute_claimed(
+        &self,
+        transfer: ClaimedTransfer,
+        admission: Admission,
+    ) -> Result<TransferAnswer, TransferError> {
+        self.post_resolved(transfer, admission).await.1
+    }
+
+    /// `execute_claimed`, and whether the claim was lost.
+    async fn post_resolved(
+        &self,
+        transfer: ClaimedTransfer,
+        admission: Admission,
+    ) -> (bool, Result<TransferAnswer, TransferError>) {
+        let (principal, key, fingerprint) = (
+            transfer.claim.scope,
+            transfer.claim.key.clone(),
+            transfer.fingerprint,
+        );
+        match self.post(transfer, admission).await {
+            Ok(answer) => (false, Ok(answer)),
+            Err(PostingFailure::FenceLost) => (
+                true,
+                self.after_fence_lost(principal, &key, &fingerprint).await,
+            ),
+            Err(failure) => (false, Err(failure.into())),
+        }
+    }
+
+    /// Posts a claimed transfer through the queue and waits for its answer:
+    /// at most `lock_timeout` in the queue, then it is withdrawn and its key
+    /// FAILED. A started batch always answers (its waits are bounded too).
+    pub async fn post(
+        &self,
+        transfer: ClaimedTransfer,
+        admission: Admission,
+    ) -> Result<TransferAnswer, PostingFailure> {
+        let claim = transfer.claim.clone();
+        let (principal, key, fingerprint) = (claim.scope, claim.key.clone(), transfer.fingerprint);
+        let mut submitted = match self.postings.submit(transfer, admission) {
+            Ok(submitted) => submitted,
+            Err(_stopped) => {
+                self.postings.release_abandoned(&claim).await;
+                return Err(PostingFailure::ShuttingDown);
+            }
+        };
+        let queue_bound = self.postings.settings().lock_timeout;
+        let result = match tokio::time::timeout(queue_bound, &mut submitted.answer).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                self.postings
+                    .withdraw(&submitted, PostingFailure::QueueTimeout)
+                    .await;
+                (&mut submitted.answer).await
+            }
+        };
+        let posted = match result {
+            Ok(posted) => posted?,
+            Err(_closed) => {
+                // The batch's task panicked and dropped the job: its
+                // transaction rolled back with its connection; the key is
+                // released so the retry need not wait out the lease.
+                tracing::error!("the posting did not finish");
+                self.postings.release_abandoned(&claim).await;
+                return Err(PostingFailure::Internal);
+            }
+        };
+        if posted.answer.response.status.is_success() {
+            if let Some(id) = posted.transfer_id {
+                tracing::Span::current().record("transfer_id", tracing::field::display(id));
+            }
+            // Committed as COMPLETED: from now on a retry is a replay.
+            self.caches.remember_completed(
+                principal,
+                key.as_str(),
+                &fingerprint,
+                &posted.answer.response,
+            );
+        }
+        Ok(posted.answer)
+    }
+
+    /// A request whose claim was taken over while it waited: the key's
+    /// completed answer when the other request finished this same intent,
+    /// otherwise 409 (the other request is still running it).
+    async fn after_fence_lost(
+        &self,
+        principal: PrincipalId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<TransferAnswer, TransferError> {
+        match store::completed_answer(&self.keys, principal, key, fingerprint).await? {
+            Some(stored) => Ok(TransferAnswer::replayed(stored)),
+            None => Err(TransferError::InFlight),
+        }
+    }
+
+    /// Stops admitting transfers, drains the queue until `deadline`, then
+    /// releases every claim left (see `Postings::shut_down`).
+    pub async fn shut_down(&self, deadline: Duration) {
+        self.postings.shut_down(deadline).await;
+    }
+}
+
+impl From<PostingFailure> for TransferError {
+    fn from(f: PostingFailure) -> Self {
+        match f {
+            PostingFailure::LockTimeout => Self::Retryable(RetryReason::LockTimeout),
+            PostingFailure::QueueTimeout => Self::Retryable(RetryReason::QueueTimeout),
+            PostingFailure::Unavailable => Self::Retryable(RetryReason::Unavailable),
+            PostingFailure::ShuttingDown => Self::Retryable(RetryReason::ShuttingDown),
+            PostingFailure::FenceLost => Self::InFlight,
+            PostingFailure::Internal => Self::Internal,
+        }
+    }
+}
+
+/// Requests refused before their key was claimed, by problem type.
+fn rejection_slug(e: &TransferError) -> Option<&'static str> {
+    match e {
+        TransferError::Invalid(invalid) => Some(invalid.kind.slug()),
+        TransferError::SourceNotFound => Some("not-found"),
+        _ => None,
+    }
+}
