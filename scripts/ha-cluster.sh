@@ -12,6 +12,7 @@
 #   scripts/ha-cluster.sh kill-primary   SIGKILL the primary's keeper and postmaster: a crash
 #   scripts/ha-cluster.sh stop-standby   stop the standby (replication stalls)
 #   scripts/ha-cluster.sh start-standby  start it again
+#   scripts/ha-cluster.sh sync on|off    the standby confirms commits (on, the default) or trails them
 #   scripts/ha-cluster.sh rejoin         start again the nodes that were killed: they rejoin as standbys
 #   scripts/ha-cluster.sh wait-healthy   until one primary and one secondary are in sync
 #   scripts/ha-cluster.sh down           stop everything and delete $HA_DIR
@@ -45,8 +46,12 @@ install_packages() {
   echo "installing pg_auto_failover"
   local version
   version="$(basename "$(dirname "$PG_BIN")")"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-    "postgresql-${version}-auto-failover" pg-auto-failover-cli >/dev/null
+  local packages=("postgresql-${version}-auto-failover" pg-auto-failover-cli)
+  # A machine whose package lists were never fetched knows no candidate.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >/dev/null
+  }
 }
 
 # Starts `pg_autoctl run` for one data directory in the background; its
@@ -197,6 +202,34 @@ start_standby() {
   echo "$name started"
 }
 
+# Whether the standby takes part in the commit quorum: off turns the
+# cluster's replication asynchronous (synchronous_standby_names empty), to
+# measure what synchronous replication costs.
+set_sync() {
+  local quorum
+  case "${1:-}" in
+    on) quorum=true ;;
+    off) quorum=false ;;
+    *) echo "usage: $0 sync on|off" >&2; exit 2 ;;
+  esac
+  local name
+  name="$(secondary)"
+  [ -n "$name" ] || { echo "no standby" >&2; exit 1; }
+  # pg_autoctl 2.0 prints spurious monitor errors here; the loop below
+  # checks that the setting took effect.
+  as_postgres pg_autoctl set node replication-quorum "$quorum" --pgdata "$HA_DIR/$name" >/dev/null 2>&1 || true
+  local port="${NODE_PORTS[0]}"
+  [ "$(primary)" = node2 ] && port="${NODE_PORTS[1]}"
+  local want="<>"
+  [ "$quorum" = false ] && want="="
+  local deadline=$((SECONDS + SETTLE_SECONDS))
+  until [ "$(as_postgres psql -qAtX -h 127.0.0.1 -p "$port" -d postgres \
+      -c "SELECT current_setting('synchronous_standby_names') $want ''")" = t ]; do
+    [ "$SECONDS" -lt "$deadline" ] || { echo "synchronous_standby_names did not change" >&2; exit 1; }
+    sleep 0.2
+  done
+}
+
 down() {
   local name
   for name in node1 node2 monitor; do
@@ -217,6 +250,7 @@ case "${1:-}" in
   start-standby) start_standby ;;
   wait-healthy) wait_healthy ;;
   rejoin) rejoin ;;
+  sync) set_sync "${2:-}" ;;
   down) down ;;
-  *) sed -n '2,21p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
 esac

@@ -93,6 +93,20 @@ pub struct PostingConfig {
     #[arg(long, env = "NEXO_POSTING_LOCK_WAITERS_MAX",
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub posting_lock_waiters_max: Option<u32>,
+    /// Acknowledge a transfer only once a synchronous standby has it, even
+    /// when the primary has no synchronous standby configured (then every
+    /// transfer waits NEXO_REPLICATION_TIMEOUT and is answered 503). Off:
+    /// wait for a standby whenever the primary has one configured
+    /// (`synchronous_standby_names`), which is what a pg_auto_failover or
+    /// Patroni cluster in synchronous mode sets. See
+    /// docs/high-availability.md.
+    #[arg(long, env = "NEXO_REQUIRE_SYNC_STANDBY", default_value_t = false)]
+    pub require_sync_standby: bool,
+    /// Longest an answer waits for a synchronous standby to confirm its
+    /// commit; then 503 (the retry replays the transfer once confirmed, or
+    /// executes it on a new primary that never had it).
+    #[arg(long, env = "NEXO_REPLICATION_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub replication_timeout: Duration,
 }
 
 impl PostingConfig {
@@ -122,6 +136,8 @@ impl Default for PostingConfig {
             posting_lock_timeout: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(10),
             posting_lock_waiters_max: None,
+            require_sync_standby: false,
+            replication_timeout: Duration::from_secs(5),
         }
     }
 }

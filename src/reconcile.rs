@@ -371,7 +371,12 @@ pub async fn connect(
     acquire_timeout: Duration,
     eager: bool,
 ) -> Result<PgPool, sqlx::Error> {
-    let options = PgConnectOptions::from_str(database_url)?.disable_statement_logging();
+    // On the primary when DATABASE_URL lists several hosts: a standby's
+    // snapshot may lag behind what the service answered.
+    let endpoints = crate::db::Endpoints::parse(database_url)
+        .map_err(|e| sqlx::Error::Configuration(e.into()))?;
+    let url = endpoints.find_primary().await?;
+    let options = PgConnectOptions::from_str(url)?.disable_statement_logging();
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(acquire_timeout);

@@ -10,7 +10,7 @@ const BELOW_HTTP: &[&str] = &[
     "ledger",
     "idempotency",
     "caches.rs",
-    "db.rs",
+    "db",
     "principal.rs",
     "problem.rs",
     "auth.rs",

@@ -491,3 +491,40 @@ async fn an_expired_key_reused_with_another_body_keeps_answering_the_original(po
     assert_eq!(customer_transfer_count(&app.pool).await, 1);
     assert_ledger_consistent(&app.pool).await;
 }
+
+/// Strict replication (`NEXO_REQUIRE_SYNC_STANDBY`) on a server without a
+/// standby: the transfer commits, but no answer that promises it is given
+/// (503, key COMPLETED), and its retry is not replayed either until a
+/// standby confirms it; the money moved exactly once all along.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn without_a_confirming_standby_strict_mode_acknowledges_nothing(pool: PgPool) {
+    let posting = nexo_transfers::config::PostingConfig {
+        require_sync_standby: true,
+        replication_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let app = TestApp::spawn_with_posting(pool, posting).await;
+    let key = new_key();
+    let body = transfer(A_USD, B_USD, AMOUNT, "USD");
+    for _ in 0..2 {
+        let reply = app.post_transfer(TOKEN_A, &key, &body).await;
+        assert_retryable_503(&reply);
+        let detail = reply.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(detail.contains("synchronous standby"), "{detail}");
+        assert!(!reply.replayed());
+    }
+    assert_eq!(
+        key_status(&app.pool, &key).await.as_deref(),
+        Some("COMPLETED")
+    );
+    assert_eq!(
+        customer_transfer_count(&app.pool).await,
+        1,
+        "committed once"
+    );
+    assert_eq!(app.balance(B_USD).await, AMOUNT);
+    assert_ledger_consistent(&app.pool).await;
+}

@@ -395,6 +395,7 @@ async fn an_abandoned_claim_is_taken_over_after_its_lease_and_the_late_original_
         app.pool.clone(),
         default_policy(),
         Settings::for_pool(4, &PostingConfig::default()),
+        false,
     )
     .await
     .unwrap();

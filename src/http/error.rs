@@ -49,7 +49,7 @@ pub enum ApiError {
     #[error("the service is temporarily unavailable")]
     ServiceUnavailable,
     /// The transfer was not posted for a reason the client can wait out.
-    #[error("the transfer could not be posted now: {0}")]
+    #[error("{0}")]
     NotPostedNow(RetryReason),
     #[error("internal error")]
     Internal,

@@ -15,11 +15,17 @@ pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// The database answers: this instance can take traffic.
+/// A writable primary answers: this instance can take traffic. A server
+/// in recovery (a standby, or a primary demoted by a failover this
+/// instance has not followed yet) is no primary.
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let ping = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&state.pool);
+    let ping = sqlx::query_scalar::<_, bool>("SELECT pg_is_in_recovery()").fetch_one(&state.pool);
     match tokio::time::timeout(READINESS_DB_TIMEOUT, ping).await {
-        Ok(Ok(_)) => Ok(Json(json!({"status": "ready"}))),
+        Ok(Ok(false)) => Ok(Json(json!({"status": "ready"}))),
+        Ok(Ok(true)) => {
+            tracing::warn!("readiness check: the database is in recovery, not a primary");
+            Err(ApiError::ServiceUnavailable)
+        }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "readiness check failed");
             Err(ApiError::ServiceUnavailable)

@@ -60,7 +60,13 @@ impl AppState {
         // Before anything can count: events recorded earlier would be lost.
         crate::telemetry::recorder();
         let settings = Settings::for_pool(pool.options().get_max_connections(), &config.posting);
-        let transfers = Transfers::new(pool.clone(), config.idempotency, settings).await?;
+        let transfers = Transfers::new(
+            pool.clone(),
+            config.idempotency,
+            settings,
+            config.posting.require_sync_standby,
+        )
+        .await?;
         Ok(Self {
             pool,
             caches: Arc::clone(&transfers.caches),

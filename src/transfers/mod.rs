@@ -25,6 +25,7 @@ use sqlx::PgPool;
 use tracing::Instrument;
 
 use crate::caches::Caches;
+use crate::db::replication::Replication;
 use crate::db::{self, KeyPool};
 use crate::idempotency::{
     ClaimOutcome, Fingerprint, IdempotencyKey, Policy, StoredResponse, store,
@@ -120,18 +121,22 @@ pub enum TransferError {
 /// Why a request may simply be sent again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum RetryReason {
-    #[error("too many transfers queued on one of its accounts")]
+    #[error("the transfer was not posted: too many transfers are queued on one of its accounts")]
     AccountQueueFull,
-    #[error("too many transfers queued")]
+    #[error("the transfer was not posted: too many transfers are queued")]
     QueueFull,
-    #[error("shutting down")]
+    #[error("the transfer was not posted: the service is shutting down")]
     ShuttingDown,
-    #[error("an account stayed locked")]
+    #[error("the transfer was not posted: one of its accounts stayed locked")]
     LockTimeout,
-    #[error("waited in the queue past its bound")]
+    #[error("the transfer was not posted: it waited too long for its accounts")]
     QueueTimeout,
-    #[error("the database is unavailable")]
+    #[error("the transfer was not posted: the database is unavailable")]
     Unavailable,
+    #[error(
+        "the answer is not yet confirmed by a synchronous standby; the retry returns it once it is"
+    )]
+    NotReplicated,
 }
 
 impl From<Refusal> for RetryReason {
@@ -168,6 +173,8 @@ pub struct Transfers {
     /// The `currencies` table, read at start-up: it only changes by migration.
     pub currencies: HashSet<String>,
     pub postings: Arc<Postings>,
+    /// Confirms commits on a synchronous standby before they are answered.
+    pub replication: Arc<Replication>,
 }
 
 /// How the request's key was used, once per request, on its span and in
@@ -198,15 +205,25 @@ impl KeyOutcome {
 }
 
 impl Transfers {
+    /// `strict_replication`: acknowledge only what a synchronous standby
+    /// confirmed, even when the primary has none configured.
     pub async fn new(
         pool: PgPool,
         policy: Policy,
         settings: Settings,
+        strict_replication: bool,
     ) -> Result<Arc<Self>, sqlx::Error> {
         let currencies = crate::ledger::repo::supported_currencies(&pool).await?;
         let keys = KeyPool::beside(&pool);
+        let replication = Replication::start(pool.clone(), strict_replication);
         Ok(Arc::new(Self {
-            postings: Postings::new(pool.clone(), keys.clone(), settings),
+            postings: Postings::new(
+                pool.clone(),
+                keys.clone(),
+                Arc::clone(&replication),
+                settings,
+            ),
+            replication,
             pool,
             keys,
             policy,
@@ -300,6 +317,15 @@ impl Transfers {
         let claim = match claimed {
             Err(e) => return (None, Err(e.into())),
             Ok(ClaimOutcome::Replay(stored)) => {
+                // A completed row another session can see may be a commit
+                // whose replication wait was cancelled: replay it only once
+                // a standby has it.
+                if self.confirm_replicated().await.is_err() {
+                    return (
+                        Some(KeyOutcome::Replayed),
+                        Err(TransferError::Retryable(RetryReason::NotReplicated)),
+                    );
+                }
                 self.caches
                     .remember_completed(principal, key.as_str(), &fingerprint, &stored);
                 return (
@@ -432,9 +458,20 @@ impl Transfers {
         fingerprint: &Fingerprint,
     ) -> Result<TransferAnswer, TransferError> {
         match store::completed_answer(&self.keys, principal, key, fingerprint).await? {
-            Some(stored) => Ok(TransferAnswer::replayed(stored)),
+            Some(stored) => {
+                self.confirm_replicated()
+                    .await
+                    .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
+                Ok(TransferAnswer::replayed(stored))
+            }
             None => Err(TransferError::InFlight),
         }
+    }
+
+    async fn confirm_replicated(&self) -> Result<(), db::replication::NotReplicated> {
+        self.replication
+            .confirm(self.postings.settings().replication_timeout)
+            .await
     }
 
     /// Stops admitting transfers, drains the queue until `deadline`, then
@@ -451,6 +488,7 @@ impl From<PostingFailure> for TransferError {
             PostingFailure::QueueTimeout => Self::Retryable(RetryReason::QueueTimeout),
             PostingFailure::Unavailable => Self::Retryable(RetryReason::Unavailable),
             PostingFailure::ShuttingDown => Self::Retryable(RetryReason::ShuttingDown),
+            PostingFailure::NotReplicated => Self::Retryable(RetryReason::NotReplicated),
             PostingFailure::FenceLost => Self::InFlight,
             PostingFailure::Internal => Self::Internal,
         }

@@ -43,6 +43,7 @@ use super::render;
 use super::scheduler::{Admission, Limits, Refusal, Scheduler};
 use super::{Rejection, TransferAnswer};
 use crate::config::PostingConfig;
+use crate::db::replication::Replication;
 use crate::db::{self, Failure, KeyPool};
 use crate::idempotency::{Claim, Completing, Fingerprint, StoredResponse, store};
 use crate::ledger::repo::{self, KeyLookup, Settled};
@@ -89,6 +90,8 @@ pub struct Settings {
     /// Longest a transfer waits for a row lock held outside this instance,
     /// and longest it waits in the queue for its accounts.
     pub lock_timeout: Duration,
+    /// Longest an answer waits for a synchronous standby's confirmation.
+    pub replication_timeout: Duration,
     /// Lock waiters at once; each holds a connection of the main pool while
     /// it waits, so fewer than the pool's size leaves room for the batches
     /// of unrelated accounts.
@@ -105,6 +108,7 @@ impl Settings {
             .max(1);
         Self {
             lock_timeout: config.posting_lock_timeout,
+            replication_timeout: config.replication_timeout,
             lock_waiters_max: usize::try_from(waiters).unwrap_or(1),
         }
     }
@@ -125,6 +129,10 @@ pub enum PostingFailure {
     Unavailable,
     #[error("the service is shutting down")]
     ShuttingDown,
+    /// Committed, but no synchronous standby confirmed it in time: the key
+    /// is COMPLETED, and its retry replays it once it is confirmed.
+    #[error("the commit was not confirmed by a synchronous standby in time")]
+    NotReplicated,
     #[error("the posting broke an invariant")]
     Internal,
 }
@@ -195,6 +203,7 @@ pub struct Postings {
     scheduler: Scheduler<Job>,
     pool: PgPool,
     keys: KeyPool,
+    replication: Arc<Replication>,
     settings: Settings,
     /// Claims of jobs not yet answered, so that a shutdown past its
     /// deadline can release every one of them. A std Mutex: never held
@@ -224,7 +233,12 @@ pub struct Submitted {
 }
 
 impl Postings {
-    pub fn new(pool: PgPool, keys: KeyPool, settings: Settings) -> Arc<Self> {
+    pub fn new(
+        pool: PgPool,
+        keys: KeyPool,
+        replication: Arc<Replication>,
+        settings: Settings,
+    ) -> Arc<Self> {
         Arc::new(Self {
             scheduler: Scheduler::new(Limits {
                 batch_transfers_max: BATCH_TRANSFERS_MAX,
@@ -235,6 +249,7 @@ impl Postings {
             }),
             pool,
             keys,
+            replication,
             settings,
             live: Mutex::default(),
             idle: tokio::sync::Notify::new(),
@@ -389,8 +404,19 @@ impl Postings {
             match self.attempt(&mut conn, &jobs, mode, lookup).await {
                 Ok(Attempt::Committed(results, deferred)) => {
                     let (done, waiting) = split(jobs, &deferred);
+                    // Answered only from a commit a synchronous standby has.
+                    let replicated = if done.is_empty() {
+                        Ok(())
+                    } else {
+                        self.replication
+                            .confirm(self.settings.replication_timeout)
+                            .await
+                    };
                     for (job, result) in done.into_iter().zip(results) {
-                        self.answer(job, Ok(result));
+                        match replicated {
+                            Ok(()) => self.answer(job, Ok(result)),
+                            Err(_) => self.answer(job, Err(PostingFailure::NotReplicated)),
+                        }
                     }
                     return self.wait_for_locks(waiting).await;
                 }

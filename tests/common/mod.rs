@@ -68,6 +68,20 @@ impl TestApp {
             default_http(),
             RateLimitConfig::default(),
             Some(operations),
+            PostingConfig::default(),
+        )
+        .await
+    }
+
+    /// With the posting layer's settings (bounds, replication) set.
+    pub async fn spawn_with_posting(pool: PgPool, posting: PostingConfig) -> Self {
+        Self::spawn_full(
+            pool,
+            default_policy(),
+            default_http(),
+            RateLimitConfig::default(),
+            None,
+            posting,
         )
         .await
     }
@@ -78,7 +92,15 @@ impl TestApp {
         http: HttpConfig,
         rate_limit: RateLimitConfig,
     ) -> Self {
-        Self::spawn_full(pool, policy, http, rate_limit, None).await
+        Self::spawn_full(
+            pool,
+            policy,
+            http,
+            rate_limit,
+            None,
+            PostingConfig::default(),
+        )
+        .await
     }
 
     async fn spawn_full(
@@ -87,6 +109,7 @@ impl TestApp {
         http: HttpConfig,
         rate_limit: RateLimitConfig,
         operations: Option<Operations>,
+        posting: PostingConfig,
     ) -> Self {
         nexo_transfers::admin::load_demo(&pool)
             .await
@@ -96,7 +119,7 @@ impl TestApp {
             AppConfig {
                 idempotency: policy,
                 http,
-                posting: PostingConfig::default(),
+                posting,
             },
         )
         .await
