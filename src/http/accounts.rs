@@ -10,11 +10,6 @@ use super::error::ApiError;
 use super::extract::{PathParam, Principal};
 use crate::ledger::{self, Account, AccountId};
 
-/// Entries per page when the client does not ask.
-pub const ENTRIES_PAGE_SIZE_DEFAULT: i64 = 50;
-/// The most entries one page may hold: bounds the query and the response.
-pub const ENTRIES_PAGE_SIZE_MAX: i64 = 200;
-
 #[derive(Serialize)]
 pub struct AccountView {
     pub account_id: String,
@@ -86,18 +81,7 @@ pub async fn entries(
     let Query(query) = query.map_err(|_| {
         ApiError::InvalidQuery("the accepted query parameters are limit and cursor".to_owned())
     })?;
-    let limit = match query.limit.as_deref() {
-        None => ENTRIES_PAGE_SIZE_DEFAULT,
-        Some(raw) => raw
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=ENTRIES_PAGE_SIZE_MAX).contains(n))
-            .ok_or_else(|| {
-                ApiError::InvalidQuery(format!(
-                    "limit must be an integer from 1 to {ENTRIES_PAGE_SIZE_MAX}"
-                ))
-            })?,
-    };
+    let limit = super::paging::limit(query.limit.as_deref())?;
     let before = match query.cursor.as_deref() {
         None => None,
         Some(raw) => Some(decode_cursor(raw).ok_or_else(|| {
@@ -109,8 +93,7 @@ pub async fn entries(
     let account = owned_account(&state, principal, &account_id).await?;
     // One extra row tells whether another page exists without a count.
     let mut rows = ledger::repo::list_entries(&state.pool, &account.id, before, limit + 1).await?;
-    let has_more = rows.len() as i64 > limit;
-    rows.truncate(limit as usize);
+    let has_more = super::paging::has_more(&mut rows, limit);
     let next_cursor = has_more
         .then(|| rows.last().map(|e| encode_cursor(e.id)))
         .flatten();

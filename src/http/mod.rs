@@ -5,7 +5,9 @@ pub mod docs;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod keys;
 pub mod operations;
+pub mod paging;
 pub mod rate_limit;
 pub mod transfers;
 
@@ -97,8 +99,9 @@ const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub fn app(state: AppState) -> Router {
     let http = state.config.http.clone();
     Router::new()
-        .route("/transfers", post(transfers::create))
+        .route("/transfers", post(transfers::create).get(transfers::list))
         .route("/transfers/{transfer_id}", get(transfers::get))
+        .route("/idempotency-keys/{key}", get(keys::get))
         .route("/accounts/{account_id}", get(accounts::get))
         .route("/accounts/{account_id}/entries", get(accounts::entries))
         .route("/healthz", get(health::healthz))

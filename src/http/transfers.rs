@@ -1,19 +1,24 @@
-//! `POST /transfers` and `GET /transfers/{transfer_id}`: extract, call the
-//! transfers service, map its answer to a response.
+//! `POST /transfers`, `GET /transfers` and `GET /transfers/{transfer_id}`:
+//! extract, call the transfers service (or read the ledger), map the answer
+//! to a response.
 
-use axum::extract::State;
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::AppState;
 use super::error::ApiError;
 use super::extract::{PathParam, Principal, StrictJson};
+use super::{AppState, paging};
 use crate::idempotency::{IdempotencyKey, StoredResponse};
 use crate::ledger;
 use crate::transfers::TransferAnswer;
 use crate::transfers::intent::TransferBody;
-use crate::transfers::render::render_transfer;
+use crate::transfers::render::{self, TransferView, render_transfer};
 
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
@@ -82,4 +87,135 @@ pub async fn get(
         render_transfer(&transfer),
     )
         .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransfersQuery {
+    pub limit: Option<String>,
+    pub cursor: Option<String>,
+    pub account: Option<String>,
+    pub created_after: Option<String>,
+    pub created_before: Option<String>,
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Serialize)]
+pub struct TransfersPage<'a> {
+    pub transfers: Vec<TransferView<'a>>,
+    /// Pass as `cursor` to get the next (older) page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /transfers`: the transfers that debited or credited one of the
+/// caller's accounts (what `GET /transfers/{id}` shows it), newest first,
+/// a keyset page at a time, so pages stay stable while transfers are added.
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn list(
+    State(state): State<AppState>,
+    principal: Principal,
+    query: Result<Query<TransfersQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|_| {
+        ApiError::InvalidQuery(
+            "the accepted query parameters are limit, cursor, account, created_after, \
+             created_before and idempotency_key"
+                .to_owned(),
+        )
+    })?;
+    let limit = paging::limit(query.limit.as_deref())?;
+    let before_id = query
+        .cursor
+        .as_deref()
+        .map(|raw| {
+            decode_cursor(raw).ok_or_else(|| {
+                ApiError::InvalidQuery(
+                    "cursor must be a next_cursor value from a previous page".to_owned(),
+                )
+            })
+        })
+        .transpose()?;
+    let created_after = query.created_after.as_deref().map(instant).transpose()?;
+    let created_before = query.created_before.as_deref().map(instant).transpose()?;
+    let key = query
+        .idempotency_key
+        .as_deref()
+        .map(|raw| {
+            IdempotencyKey::parse(raw.as_bytes())
+                .map_err(|e| ApiError::InvalidQuery(format!("idempotency_key: {e}")))
+        })
+        .transpose()?;
+    let pool = &state.transfers.pool;
+    let owned = ledger::repo::account_ids_of(pool, principal.id).await?;
+    let accounts: Vec<&str> = match query.account.as_deref() {
+        // Someone else's account is indistinguishable from no account.
+        Some(account) if owned.iter().any(|a| a == account) => vec![account],
+        Some(_) => return Err(ApiError::NotFound),
+        None => owned.iter().map(String::as_str).collect(),
+    };
+    let filter = ledger::repo::TransferFilter {
+        accounts,
+        created_after,
+        created_before,
+        key: key.as_ref().map(|k| (principal.id, k.as_str())),
+        before_id,
+    };
+    let mut rows = ledger::repo::list_transfers(pool, &filter, limit + 1).await?;
+    let more = paging::has_more(&mut rows, limit);
+    let next_cursor = more
+        .then(|| rows.last().map(|t| encode_cursor(t.id)))
+        .flatten();
+    let page = TransfersPage {
+        transfers: rows.iter().map(render::view).collect(),
+        next_cursor,
+    };
+    Ok(Json(page).into_response())
+}
+
+/// A time filter: RFC 3339 with its offset.
+fn instant(raw: &str) -> Result<DateTime<Utc>, ApiError> {
+    DateTime::parse_from_rfc3339(raw)
+        .map(|at| at.with_timezone(&Utc))
+        .map_err(|_| {
+            ApiError::InvalidQuery(
+                "created_after and created_before are RFC 3339 times, e.g. 2026-11-30T12:00:00Z"
+                    .to_owned(),
+            )
+        })
+}
+
+/// Cursors are opaque to clients: `t` and the last transfer id seen, as
+/// 32 hex digits. The prefix keeps them apart from entry cursors.
+fn encode_cursor(id: Uuid) -> String {
+    format!("t{}", id.simple())
+}
+
+/// Only the exact spelling `encode_cursor` produces.
+fn decode_cursor(raw: &str) -> Option<Uuid> {
+    let hex = raw.strip_prefix('t')?;
+    if hex.len() != 32 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return None;
+    }
+    Uuid::try_parse(hex).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfer_cursors_round_trip_and_reject_anything_else() {
+        let id = Uuid::now_v7();
+        assert_eq!(decode_cursor(&encode_cursor(id)), Some(id));
+        for bad in [
+            "",
+            "t",
+            "e42",
+            "tXYZ",
+            &format!("t{}", id.hyphenated()),
+            &format!("t{}", id.simple()).to_uppercase(),
+        ] {
+            assert_eq!(decode_cursor(bad), None, "{bad}");
+        }
+    }
 }

@@ -126,6 +126,9 @@ struct ExistingRow {
     response_status: Option<i16>,
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
+    transfer_id: Option<Uuid>,
+    updated_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
 }
 
 impl ExistingRow {
@@ -152,6 +155,9 @@ struct ClaimAttempt {
     response_status: Option<i16>,
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
+    transfer_id: Option<Uuid>,
+    updated_at: Option<DateTime<Utc>>,
+    expires_at: Option<DateTime<Utc>>,
 }
 
 impl ClaimAttempt {
@@ -165,6 +171,9 @@ impl ClaimAttempt {
             response_status: self.response_status,
             response_headers: self.response_headers,
             response_body: self.response_body,
+            transfer_id: self.transfer_id,
+            updated_at: self.updated_at?,
+            expires_at: self.expires_at?,
         })
     }
 }
@@ -204,7 +213,8 @@ pub async fn claim(
                  SELECT fingerprint, status, locked_until,
                         locked_until > now() AS lease_live,
                         expires_at <= now() AS expired,
-                        response_status, response_headers, response_body
+                        response_status, response_headers, response_body,
+                        transfer_id, updated_at, expires_at
                  FROM idempotency_keys
                  WHERE principal_id = $1 AND idempotency_key = $2
              ) AS k ON true",
@@ -333,7 +343,8 @@ async fn read_row(
         "SELECT fingerprint, status, locked_until,
                 locked_until > now() AS lease_live,
                 expires_at <= now() AS expired,
-                response_status, response_headers, response_body
+                response_status, response_headers, response_body,
+                transfer_id, updated_at, expires_at
          FROM idempotency_keys
          WHERE principal_id = $1 AND idempotency_key = $2",
     )
@@ -359,6 +370,38 @@ pub async fn completed_answer(
                 && row.fingerprint.as_slice() == fingerprint.as_bytes()
         })
         .and_then(ExistingRow::response))
+}
+
+/// A key's record as a lookup reports it: never the stored answer's bytes,
+/// only what a client may act on.
+#[derive(Debug, Clone)]
+pub struct KeyRecord {
+    pub status: KeyStatus,
+    pub lease_live: bool,
+    pub locked_until: DateTime<Utc>,
+    pub expired: bool,
+    pub response_status: Option<i16>,
+    pub transfer_id: Option<Uuid>,
+    pub updated_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// The record of a key in a principal's scope, read without a side effect.
+pub async fn record(
+    pool: &PgPool,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+) -> Result<Option<KeyRecord>, sqlx::Error> {
+    Ok(read_row(pool, scope, key).await?.map(|row| KeyRecord {
+        status: row.status,
+        lease_live: row.lease_live,
+        locked_until: row.locked_until,
+        expired: row.expired,
+        response_status: row.response_status,
+        transfer_id: row.transfer_id,
+        updated_at: row.updated_at,
+        expires_at: row.expires_at,
+    }))
 }
 
 /// One claim's completion: the answer to store, the fingerprint it is

@@ -554,6 +554,72 @@ async fn find_by_key(
     query.bind(idempotency_key).fetch_optional(conn).await
 }
 
+/// The transfer a principal's key moved, if any: the permanent trace of a
+/// key whose idempotency record is gone.
+pub async fn get_transfer_by_key(
+    pool: &sqlx::PgPool,
+    principal_id: PrincipalId,
+    idempotency_key: &str,
+) -> Result<Option<Transfer>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    find_by_key(&mut conn, Some(principal_id), idempotency_key).await
+}
+
+/// Which transfers a listing returns.
+#[derive(Debug, Clone, Default)]
+pub struct TransferFilter<'a> {
+    /// Transfers that debited or credited one of these accounts.
+    pub accounts: Vec<&'a str>,
+    pub created_after: Option<DateTime<Utc>>,
+    pub created_before: Option<DateTime<Utc>>,
+    /// Only the transfer this principal's key moved.
+    pub key: Option<(PrincipalId, &'a str)>,
+    /// Strictly older than this transfer (ids are time-ordered UUIDv7).
+    pub before_id: Option<Uuid>,
+}
+
+/// A page of transfers, newest first.
+pub async fn list_transfers<'e>(
+    executor: impl PgExecutor<'e>,
+    filter: &TransferFilter<'_>,
+    limit: i64,
+) -> Result<Vec<Transfer>, sqlx::Error> {
+    let (key_principal, key) = match filter.key {
+        Some((principal, key)) => (Some(principal), Some(key)),
+        None => (None, None),
+    };
+    sqlx::query_as(concat!(
+        select_transfer!(),
+        " WHERE (t.from_account = ANY($1) OR t.to_account = ANY($1))
+            AND ($2::timestamptz IS NULL OR t.created_at > $2)
+            AND ($3::timestamptz IS NULL OR t.created_at < $3)
+            AND ($5::text IS NULL OR (t.principal_id = $4 AND t.idempotency_key = $5))
+            AND ($6::uuid IS NULL OR t.id < $6)
+          ORDER BY t.id DESC
+          LIMIT $7"
+    ))
+    .bind(&filter.accounts)
+    .bind(filter.created_after)
+    .bind(filter.created_before)
+    .bind(key_principal)
+    .bind(key)
+    .bind(filter.before_id)
+    .bind(limit)
+    .fetch_all(executor)
+    .await
+}
+
+/// The ids of a principal's accounts.
+pub async fn account_ids_of<'e>(
+    executor: impl PgExecutor<'e>,
+    principal_id: PrincipalId,
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT id FROM accounts WHERE principal_id = $1 ORDER BY id")
+        .bind(principal_id)
+        .fetch_all(executor)
+        .await
+}
+
 pub async fn get_transfer<'e>(
     executor: impl PgExecutor<'e>,
     id: Uuid,

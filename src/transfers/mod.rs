@@ -6,12 +6,14 @@
 //! - [`intent`]: the request body, its typed intent, canonical form and
 //!   fingerprint.
 //! - [`checks`]: what is checked against the database before the claim.
+//! - [`keys`]: what became of a key, for the lookup.
 //! - [`scheduler`]: which queued posting may run next, and admission.
 //! - [`posting`]: batches, lock waiters, bounds, shutdown.
 //! - [`render`]: a transfer's JSON.
 
 pub mod checks;
 pub mod intent;
+pub mod keys;
 pub mod posting;
 pub mod render;
 pub mod scheduler;

@@ -41,8 +41,13 @@ pub fn timestamp(at: DateTime<Utc>) -> String {
 }
 
 pub fn render_transfer(transfer: &Transfer) -> Bytes {
+    Bytes::from(serde_json::to_vec(&view(transfer)).unwrap_or_default())
+}
+
+/// The transfer's representation, for a response that holds several.
+pub fn view(transfer: &Transfer) -> TransferView<'_> {
     let created_at = timestamp(transfer.created_at);
-    let view = TransferView {
+    TransferView {
         transfer_id: transfer.id,
         status: &transfer.status,
         from: &transfer.from_account,
@@ -57,8 +62,7 @@ pub fn render_transfer(transfer: &Transfer) -> Bytes {
             credit_entry_id: transfer.credit_entry_id,
             issued_at: created_at,
         },
-    };
-    Bytes::from(serde_json::to_vec(&view).unwrap_or_default())
+    }
 }
 
 /// The 201 a posted transfer is answered with, and stored under its key.

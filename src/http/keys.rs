@@ -1,0 +1,89 @@
+//! `GET /idempotency-keys/{key}`: what became of one of the caller's keys.
+
+use axum::Json;
+use axum::extract::State;
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::{PathParam, Principal};
+use crate::idempotency::IdempotencyKey;
+use crate::transfers::intent::ROUTE;
+use crate::transfers::keys::KeyState;
+use crate::transfers::render::timestamp;
+
+/// Every field is always present (null where it does not apply), so a
+/// client reads one shape whatever the state.
+#[derive(Serialize)]
+pub struct KeyView {
+    pub idempotency_key: String,
+    /// `in_flight`, `completed`, `failed` or `expired`.
+    pub state: &'static str,
+    pub retry_after_seconds: Option<u64>,
+    pub response_status: Option<u16>,
+    pub transfer_id: Option<Uuid>,
+    pub transfer_url: Option<String>,
+    pub completed_at: Option<String>,
+    pub expires_at: Option<String>,
+}
+
+impl KeyView {
+    fn new(key: &IdempotencyKey, state: KeyState) -> Self {
+        let mut view = Self {
+            idempotency_key: key.as_str().to_owned(),
+            state: "",
+            retry_after_seconds: None,
+            response_status: None,
+            transfer_id: None,
+            transfer_url: None,
+            completed_at: None,
+            expires_at: None,
+        };
+        let transfer = match state {
+            KeyState::InFlight { retry_after_secs } => {
+                view.state = "in_flight";
+                view.retry_after_seconds = Some(retry_after_secs);
+                None
+            }
+            KeyState::Completed {
+                response_status,
+                transfer_id,
+                completed_at,
+                expires_at,
+            } => {
+                view.state = "completed";
+                view.response_status = Some(response_status);
+                view.completed_at = Some(timestamp(completed_at));
+                view.expires_at = Some(timestamp(expires_at));
+                transfer_id
+            }
+            KeyState::Failed => {
+                view.state = "failed";
+                None
+            }
+            KeyState::Expired { transfer_id } => {
+                view.state = "expired";
+                transfer_id
+            }
+        };
+        view.transfer_id = transfer;
+        view.transfer_url = transfer.map(|id| format!("{ROUTE}/{id}"));
+        view
+    }
+}
+
+/// The key in the path takes the header's forms: bare (`abc-123`) or the
+/// quoted string (`"abc-123"`, percent-encoded in a URL). A key that is not
+/// the caller's, or was never used, is the same 404.
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+    PathParam(raw): PathParam,
+) -> Result<Json<KeyView>, ApiError> {
+    let key = IdempotencyKey::parse(raw.as_bytes())?;
+    let found = state.transfers.key_state(principal.id, &key).await?;
+    let key_state = found.ok_or(ApiError::NotFound)?;
+    Ok(Json(KeyView::new(&key, key_state)))
+}

@@ -1,0 +1,84 @@
+//! What became of an idempotency key: the lookup a client uses when it lost
+//! track of an intent and no longer has (or no longer wants to send) the
+//! exact request. Reads only; never claims, takes over or completes a key.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::{IN_FLIGHT_RETRY_AFTER_SECS, RetryReason, TransferError, Transfers};
+use crate::idempotency::{IdempotencyKey, KeyStatus, store};
+use crate::ledger;
+use crate::principal::PrincipalId;
+
+/// A key's state, as the lookup answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyState {
+    /// A request holds the key now; ask again (or retry) after this long.
+    InFlight { retry_after_secs: u64 },
+    /// Its answer is stored: a retry of the same request replays it.
+    Completed {
+        response_status: u16,
+        transfer_id: Option<Uuid>,
+        completed_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    },
+    /// Released after a technical failure, or abandoned by a process that
+    /// died: the same request executes again, once.
+    Failed,
+    /// Its record expired or was purged; the transfer it moved, if any,
+    /// stays (a retry of the same request is answered with it).
+    Expired { transfer_id: Option<Uuid> },
+}
+
+impl Transfers {
+    /// The state of `key` in `principal`'s scope; `None` when the key was
+    /// never seen (or belongs to someone else: scopes never mix).
+    pub async fn key_state(
+        &self,
+        principal: PrincipalId,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyState>, TransferError> {
+        let record = store::record(&self.pool, principal, key).await?;
+        let state = match record {
+            Some(r) if !r.expired => match r.status {
+                KeyStatus::InProgress if r.lease_live => {
+                    let left = (r.locked_until - Utc::now()).num_seconds();
+                    KeyState::InFlight {
+                        retry_after_secs: u64::try_from(left)
+                            .unwrap_or(0)
+                            .max(IN_FLIGHT_RETRY_AFTER_SECS),
+                    }
+                }
+                KeyStatus::InProgress | KeyStatus::Failed => KeyState::Failed,
+                KeyStatus::Completed => {
+                    // A completed record is an answer: like a replay, it is
+                    // given only once a synchronous standby has it.
+                    self.replication
+                        .confirm(self.postings.settings().replication_timeout)
+                        .await
+                        .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
+                    KeyState::Completed {
+                        response_status: r
+                            .response_status
+                            .and_then(|s| u16::try_from(s).ok())
+                            .unwrap_or(500),
+                        transfer_id: r.transfer_id,
+                        completed_at: r.updated_at,
+                        expires_at: r.expires_at,
+                    }
+                }
+            },
+            expired => {
+                let transfer =
+                    ledger::repo::get_transfer_by_key(&self.pool, principal, key.as_str()).await?;
+                match (expired, transfer) {
+                    (None, None) => return Ok(None),
+                    (_, transfer) => KeyState::Expired {
+                        transfer_id: transfer.map(|t| t.id),
+                    },
+                }
+            }
+        };
+        Ok(Some(state))
+    }
+}
