@@ -52,15 +52,16 @@ pub const METRICS: [&str; 14] = [
 ];
 
 /// Every idempotency outcome the transfer handler records: the result of
-/// the claim (`claimed`, `taken_over`, `replayed`, `mismatch`, `in_flight`)
-/// and, after a claim, an execution that did not complete the key
-/// (`failed`, `fence_lost`).
-pub const IDEMPOTENCY_OUTCOMES: [&str; 7] = [
+/// the claim (`claimed`, `taken_over`, `replayed`, `mismatch`, `in_flight`,
+/// `cancelled` for a key whose intent was cancelled) and, after a claim, an
+/// execution that did not complete the key (`failed`, `fence_lost`).
+pub const IDEMPOTENCY_OUTCOMES: [&str; 8] = [
     "claimed",
     "taken_over",
     "replayed",
     "mismatch",
     "in_flight",
+    "cancelled",
     "failed",
     "fence_lost",
 ];

@@ -334,6 +334,8 @@ fn every_api_error() -> Vec<ApiError> {
             retry_after_secs: 1,
         },
         ApiError::InsufficientFunds,
+        ApiError::IntentCancelled,
+        ApiError::IntentCompleted { transfer_id: None },
         ApiError::RateLimited {
             retry_after_secs: 1,
         },
@@ -355,6 +357,8 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::IdempotencyKeyReused
             | ApiError::RequestInFlight { .. }
             | ApiError::InsufficientFunds
+            | ApiError::IntentCancelled
+            | ApiError::IntentCompleted { .. }
             | ApiError::RateLimited { .. }
             | ApiError::ServiceUnavailable
             | ApiError::NotPostedNow(_)

@@ -44,6 +44,11 @@ pub enum ApiError {
     RequestInFlight { retry_after_secs: u64 },
     #[error("the source account balance cannot cover this transfer")]
     InsufficientFunds,
+    #[error("the intent of this idempotency key was cancelled")]
+    IntentCancelled,
+    /// The key's intent completed, so it cannot be cancelled.
+    #[error("the intent of this idempotency key already completed")]
+    IntentCompleted { transfer_id: Option<uuid::Uuid> },
     #[error("too many requests")]
     RateLimited { retry_after_secs: u64 },
     #[error("the service is temporarily unavailable")]
@@ -76,7 +81,9 @@ impl ApiError {
             }
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::RequestInFlight { .. } => StatusCode::CONFLICT,
+            Self::RequestInFlight { .. } | Self::IntentCancelled | Self::IntentCompleted { .. } => {
+                StatusCode::CONFLICT
+            }
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ServiceUnavailable | Self::NotPostedNow(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -98,6 +105,8 @@ impl ApiError {
             Self::MethodNotAllowed => "method-not-allowed",
             Self::IdempotencyKeyReused => "idempotency-key-reused",
             Self::RequestInFlight { .. } => "request-in-flight",
+            Self::IntentCancelled => "intent-cancelled",
+            Self::IntentCompleted { .. } => "intent-completed",
             Self::InsufficientFunds => "insufficient-funds",
             Self::RateLimited { .. } => "rate-limited",
             Self::ServiceUnavailable | Self::NotPostedNow(_) => "service-unavailable",
@@ -119,6 +128,8 @@ impl ApiError {
             Self::MethodNotAllowed => "Method not allowed",
             Self::IdempotencyKeyReused => "Idempotency key reused",
             Self::RequestInFlight { .. } => "Request in flight",
+            Self::IntentCancelled => "Intent cancelled",
+            Self::IntentCompleted { .. } => "Intent already completed",
             Self::InsufficientFunds => "Insufficient funds",
             Self::RateLimited { .. } => "Too many requests",
             Self::ServiceUnavailable | Self::NotPostedNow(_) => "Service unavailable",
@@ -136,6 +147,17 @@ impl ApiError {
             ),
             Self::RequestInFlight { .. } => {
                 format!("{self}; retry later with the same key and body to get its result")
+            }
+            Self::IntentCancelled => format!(
+                "{self}: no request with this key executes until the cancellation expires; use a new key for a new transfer"
+            ),
+            Self::IntentCompleted {
+                transfer_id: Some(id),
+            } => format!(
+                "{self} and moved money: /transfers/{id}; a completed transfer is undone by a reversal, not a cancellation"
+            ),
+            Self::IntentCompleted { transfer_id: None } => {
+                format!("{self}; its stored answer stands")
             }
             Self::IdempotencyKeyReused => Rejection::KeyReused.problem().detail,
             Self::InsufficientFunds => Rejection::InsufficientFunds.problem().detail,
@@ -240,6 +262,7 @@ impl From<TransferError> for ApiError {
             TransferError::InFlight => Self::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             },
+            TransferError::Cancelled => Self::IntentCancelled,
             TransferError::Retryable(reason) => Self::NotPostedNow(reason),
             TransferError::Internal => Self::Internal,
         }

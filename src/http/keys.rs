@@ -1,4 +1,5 @@
-//! `GET /idempotency-keys/{key}`: what became of one of the caller's keys.
+//! `GET /idempotency-keys/{key}`: what became of one of the caller's keys;
+//! `POST /idempotency-keys/{key}/cancel`: cancel the intent of one.
 
 use axum::Json;
 use axum::extract::State;
@@ -10,7 +11,7 @@ use super::error::ApiError;
 use super::extract::{PathParam, Principal};
 use crate::idempotency::IdempotencyKey;
 use crate::transfers::intent::ROUTE;
-use crate::transfers::keys::KeyState;
+use crate::transfers::keys::{Cancellation, KeyState};
 use crate::transfers::render::timestamp;
 
 /// Every field is always present (null where it does not apply), so a
@@ -18,13 +19,14 @@ use crate::transfers::render::timestamp;
 #[derive(Serialize)]
 pub struct KeyView {
     pub idempotency_key: String,
-    /// `in_flight`, `completed`, `failed` or `expired`.
+    /// `in_flight`, `completed`, `failed`, `expired` or `cancelled`.
     pub state: &'static str,
     pub retry_after_seconds: Option<u64>,
     pub response_status: Option<u16>,
     pub transfer_id: Option<Uuid>,
     pub transfer_url: Option<String>,
     pub completed_at: Option<String>,
+    pub cancelled_at: Option<String>,
     pub expires_at: Option<String>,
 }
 
@@ -38,6 +40,7 @@ impl KeyView {
             transfer_id: None,
             transfer_url: None,
             completed_at: None,
+            cancelled_at: None,
             expires_at: None,
         };
         let transfer = match state {
@@ -66,6 +69,15 @@ impl KeyView {
                 view.state = "expired";
                 transfer_id
             }
+            KeyState::Cancelled {
+                cancelled_at,
+                expires_at,
+            } => {
+                view.state = "cancelled";
+                view.cancelled_at = Some(timestamp(cancelled_at));
+                view.expires_at = Some(timestamp(expires_at));
+                None
+            }
         };
         view.transfer_id = transfer;
         view.transfer_url = transfer.map(|id| format!("{ROUTE}/{id}"));
@@ -86,4 +98,35 @@ pub async fn get(
     let found = state.transfers.key_state(principal.id, &key).await?;
     let key_state = found.ok_or(ApiError::NotFound)?;
     Ok(Json(KeyView::new(&key, key_state)))
+}
+
+/// Cancels the intent of one of the caller's keys (both spellings, as for
+/// the lookup). Answered 200 with the key's `cancelled` state, again on
+/// every repetition; 409 `request-in-flight` while a request holds the key;
+/// 409 `intent-completed` when it completed (with its transfer's link).
+/// Keys are per principal: cancelling a key never touches another
+/// principal's key of the same name.
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn cancel(
+    State(state): State<AppState>,
+    principal: Principal,
+    PathParam(raw): PathParam,
+) -> Result<Json<KeyView>, ApiError> {
+    let key = IdempotencyKey::parse(raw.as_bytes())?;
+    match state.transfers.cancel(principal.id, &key).await? {
+        Cancellation::Cancelled {
+            cancelled_at,
+            expires_at,
+        } => Ok(Json(KeyView::new(
+            &key,
+            KeyState::Cancelled {
+                cancelled_at,
+                expires_at,
+            },
+        ))),
+        Cancellation::InFlight { retry_after_secs } => {
+            Err(ApiError::RequestInFlight { retry_after_secs })
+        }
+        Cancellation::Completed { transfer_id } => Err(ApiError::IntentCompleted { transfer_id }),
+    }
 }

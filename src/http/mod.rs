@@ -102,6 +102,7 @@ pub fn app(state: AppState) -> Router {
         .route("/transfers", post(transfers::create).get(transfers::list))
         .route("/transfers/{transfer_id}", get(transfers::get))
         .route("/idempotency-keys/{key}", get(keys::get))
+        .route("/idempotency-keys/{key}/cancel", post(keys::cancel))
         .route("/accounts/{account_id}", get(accounts::get))
         .route("/accounts/{account_id}/entries", get(accounts::entries))
         .route("/healthz", get(health::healthz))

@@ -45,6 +45,9 @@ pub enum KeyStatus {
     Completed,
     /// Released after a technical failure: the same request executes again.
     Failed,
+    /// A tombstone: the intent was cancelled by its key, and no request with
+    /// the key executes until the record expires.
+    Cancelled,
 }
 
 /// A response as it is stored and replayed: status, the headers that must
@@ -108,6 +111,8 @@ pub enum ClaimOutcome {
     Mismatch,
     /// Another request holds the key and its lease is live.
     InFlight { locked_until: DateTime<Utc> },
+    /// The intent was cancelled by its key: nothing may execute under it.
+    Cancelled,
 }
 
 /// A claim row can vanish (purged) or change hands between our statements;
@@ -249,6 +254,9 @@ pub async fn claim(
 
         let same_request = row.fingerprint.as_slice() == fingerprint.as_bytes().as_slice();
         if !row.expired {
+            if row.status == KeyStatus::Cancelled {
+                return Ok(ClaimOutcome::Cancelled);
+            }
             if !same_request {
                 return Ok(ClaimOutcome::Mismatch);
             }
@@ -268,7 +276,7 @@ pub async fn claim(
                         locked_until: row.locked_until,
                     });
                 }
-                KeyStatus::InProgress | KeyStatus::Failed => {}
+                KeyStatus::InProgress | KeyStatus::Failed | KeyStatus::Cancelled => {}
             }
         }
 
@@ -402,6 +410,127 @@ pub async fn record(
         updated_at: row.updated_at,
         expires_at: row.expires_at,
     }))
+}
+
+/// What cancelling a key found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The key is a tombstone now (or already was).
+    Cancelled {
+        cancelled_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    },
+    /// A request holds the key: it may still complete.
+    InFlight { locked_until: DateTime<Utc> },
+    /// The key completed: its answer stands (a transfer is undone by a
+    /// reversal, not by a cancellation).
+    Completed { transfer_id: Option<Uuid> },
+    /// The key has no record but moved money before its record was purged.
+    TransferExists { transfer_id: Uuid },
+}
+
+/// A key's row as `cancel` reads it under its lock: status, lease live,
+/// expired, lease end, transfer.
+type LockedRecord = (KeyStatus, bool, bool, DateTime<Utc>, Option<Uuid>);
+
+/// The fingerprint of a tombstone: no request hashes to 32 zero bytes.
+const TOMBSTONE_FINGERPRINT: [u8; 32] = [0; 32];
+
+/// Cancels an intent by its key, in one transaction on the main pool: the
+/// tombstone must be durable before the caller is told the intent can no
+/// longer execute. A key never seen (or whose record expired), a FAILED
+/// one and an abandoned claim become a tombstone; a key in flight or
+/// completed is left as it is. Racing an original's claim, exactly one
+/// wins: the insert of the other conflicts, and it reads the winner's row.
+pub async fn cancel(
+    pool: &PgPool,
+    policy: Policy,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+    route: &str,
+    transfer_of_key: Option<Uuid>,
+) -> Result<CancelOutcome, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let row: Option<LockedRecord> = sqlx::query_as(
+        "SELECT status, locked_until > now(), expires_at <= now(), locked_until, transfer_id
+         FROM idempotency_keys WHERE principal_id = $1 AND idempotency_key = $2 FOR UPDATE",
+    )
+    .bind(scope)
+    .bind(key.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let outcome = match (row, transfer_of_key) {
+        (Some((KeyStatus::Completed, _, false, _, transfer_id)), _) => {
+            CancelOutcome::Completed { transfer_id }
+        }
+        (Some((KeyStatus::InProgress, true, false, locked_until, _)), _) => {
+            CancelOutcome::InFlight { locked_until }
+        }
+        (_, Some(transfer_id)) => CancelOutcome::TransferExists { transfer_id },
+        // Never seen, expired, FAILED, abandoned, or already a tombstone.
+        _ => tombstone(&mut tx, policy, scope, key, route).await?,
+    };
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// Writes (or keeps) the tombstone of a key whose row, if any, is locked
+/// by the caller's transaction. When a claim inserted the row meanwhile
+/// (the key had none), the insert conflicts and the claim wins.
+async fn tombstone(
+    conn: &mut PgConnection,
+    policy: Policy,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+    route: &str,
+) -> Result<CancelOutcome, sqlx::Error> {
+    let written: Option<(DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "INSERT INTO idempotency_keys
+             (principal_id, idempotency_key, request_method, request_path, fingerprint,
+              status, lock_token, locked_until, expires_at)
+         VALUES ($1, $2, 'POST', $3, $4, 'CANCELLED', $5, now(), now() + make_interval(secs => $6))
+         ON CONFLICT (principal_id, idempotency_key) DO UPDATE SET
+             status = 'CANCELLED',
+             fingerprint = EXCLUDED.fingerprint,
+             lock_token = EXCLUDED.lock_token,
+             locked_until = now(),
+             response_status = NULL, response_headers = NULL, response_body = NULL,
+             transfer_id = NULL,
+             updated_at = CASE WHEN idempotency_keys.status = 'CANCELLED'
+                               AND idempotency_keys.expires_at > now()
+                               THEN idempotency_keys.updated_at ELSE now() END,
+             created_at = CASE WHEN idempotency_keys.expires_at <= now() THEN now()
+                               ELSE idempotency_keys.created_at END,
+             expires_at = CASE WHEN idempotency_keys.expires_at <= now() THEN EXCLUDED.expires_at
+                               ELSE idempotency_keys.expires_at END
+         WHERE idempotency_keys.status <> 'COMPLETED' OR idempotency_keys.expires_at <= now()
+         RETURNING updated_at, expires_at",
+    )
+    .bind(scope)
+    .bind(key.as_str())
+    .bind(route)
+    .bind(TOMBSTONE_FINGERPRINT.as_slice())
+    .bind(Uuid::new_v4())
+    .bind(policy.ttl.as_secs_f64())
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some((cancelled_at, expires_at)) = written {
+        return Ok(CancelOutcome::Cancelled {
+            cancelled_at,
+            expires_at,
+        });
+    }
+    // The key had no row when we looked; a claim inserted one since and its
+    // posting completed it before our write: its answer stands.
+    let transfer_id: Option<Uuid> = sqlx::query_scalar(
+        "SELECT transfer_id FROM idempotency_keys
+         WHERE principal_id = $1 AND idempotency_key = $2",
+    )
+    .bind(scope)
+    .bind(key.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(CancelOutcome::Completed { transfer_id })
 }
 
 /// One claim's completion: the answer to store, the fingerprint it is

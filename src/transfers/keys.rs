@@ -5,7 +5,9 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use super::intent::ROUTE;
 use super::{IN_FLIGHT_RETRY_AFTER_SECS, RetryReason, TransferError, Transfers};
+use crate::idempotency::store::CancelOutcome;
 use crate::idempotency::{IdempotencyKey, KeyStatus, store};
 use crate::ledger;
 use crate::principal::PrincipalId;
@@ -28,6 +30,27 @@ pub enum KeyState {
     /// Its record expired or was purged; the transfer it moved, if any,
     /// stays (a retry of the same request is answered with it).
     Expired { transfer_id: Option<Uuid> },
+    /// The intent was cancelled by its key: every request with it is
+    /// refused until `expires_at`.
+    Cancelled {
+        cancelled_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    },
+}
+
+/// What cancelling an intent by its key answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cancellation {
+    /// Nothing will execute under the key (a tombstone, durable and, with a
+    /// synchronous standby, replicated).
+    Cancelled {
+        cancelled_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+    },
+    /// A request holds the key; ask again after this long.
+    InFlight { retry_after_secs: u64 },
+    /// The intent completed; its transfer, if it moved money.
+    Completed { transfer_id: Option<Uuid> },
 }
 
 impl Transfers {
@@ -50,6 +73,10 @@ impl Transfers {
                     }
                 }
                 KeyStatus::InProgress | KeyStatus::Failed => KeyState::Failed,
+                KeyStatus::Cancelled => KeyState::Cancelled {
+                    cancelled_at: r.updated_at,
+                    expires_at: r.expires_at,
+                },
                 KeyStatus::Completed => {
                     // A completed record is an answer: like a replay, it is
                     // given only once a synchronous standby has it.
@@ -80,5 +107,47 @@ impl Transfers {
             }
         };
         Ok(Some(state))
+    }
+
+    /// Cancels the intent of `key`: from now on no request with it executes,
+    /// unless it is in flight (it may still complete) or has completed (its
+    /// answer stands; money that moved is undone by a reversal). Cancelling
+    /// twice answers the same.
+    pub async fn cancel(
+        &self,
+        principal: PrincipalId,
+        key: &IdempotencyKey,
+    ) -> Result<Cancellation, TransferError> {
+        let transfer = ledger::repo::get_transfer_by_key(&self.pool, principal, key.as_str())
+            .await?
+            .map(|t| t.id);
+        let outcome =
+            store::cancel(&self.pool, self.policy, principal, key, ROUTE, transfer).await?;
+        Ok(match outcome {
+            CancelOutcome::Cancelled {
+                cancelled_at,
+                expires_at,
+            } => {
+                // The promise that the intent never executes holds only once
+                // a synchronous standby has the tombstone.
+                self.replication
+                    .confirm(self.postings.settings().replication_timeout)
+                    .await
+                    .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
+                Cancellation::Cancelled {
+                    cancelled_at,
+                    expires_at,
+                }
+            }
+            CancelOutcome::InFlight { locked_until } => Cancellation::InFlight {
+                retry_after_secs: u64::try_from((locked_until - Utc::now()).num_seconds())
+                    .unwrap_or(0)
+                    .max(IN_FLIGHT_RETRY_AFTER_SECS),
+            },
+            CancelOutcome::Completed { transfer_id } => Cancellation::Completed { transfer_id },
+            CancelOutcome::TransferExists { transfer_id } => Cancellation::Completed {
+                transfer_id: Some(transfer_id),
+            },
+        })
     }
 }

@@ -112,6 +112,9 @@ pub enum TransferError {
     /// Another request holds the key.
     #[error("a request with this key is in flight")]
     InFlight,
+    /// The intent was cancelled by its key.
+    #[error("the intent was cancelled")]
+    Cancelled,
     /// Not posted, and safe to send again: the key is free (or was never
     /// claimed). Carries why, for logs and metrics.
     #[error("not posted: {0}")]
@@ -190,6 +193,7 @@ enum KeyOutcome {
     InFlight,
     FenceLost,
     Failed,
+    Cancelled,
 }
 
 impl KeyOutcome {
@@ -202,6 +206,7 @@ impl KeyOutcome {
             Self::InFlight => "in_flight",
             Self::FenceLost => "fence_lost",
             Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -340,6 +345,15 @@ impl Transfers {
             }
             Ok(ClaimOutcome::InFlight { .. }) => {
                 return (Some(KeyOutcome::InFlight), Err(TransferError::InFlight));
+            }
+            Ok(ClaimOutcome::Cancelled) => {
+                // Like a replay: the refusal promises the intent never
+                // executes, so it waits for the standby to have the tombstone.
+                let refusal = match self.confirm_replicated().await {
+                    Ok(()) => TransferError::Cancelled,
+                    Err(_) => TransferError::Retryable(RetryReason::NotReplicated),
+                };
+                return (Some(KeyOutcome::Cancelled), Err(refusal));
             }
             Ok(ClaimOutcome::Claimed(claim)) => claim,
         };
