@@ -222,10 +222,16 @@ set_sync() {
   [ "$(primary)" = node2 ] && port="${NODE_PORTS[1]}"
   local want="<>"
   [ "$quorum" = false ] && want="="
-  local deadline=$((SECONDS + SETTLE_SECONDS))
+  local deadline=$((SECONDS + SETTLE_SECONDS)) asked=$SECONDS
   until [ "$(as_postgres psql -qAtX -h 127.0.0.1 -p "$port" -d postgres \
       -c "SELECT current_setting('synchronous_standby_names') $want ''")" = t ]; do
     [ "$SECONDS" -lt "$deadline" ] || { echo "synchronous_standby_names did not change" >&2; exit 1; }
+    # pg_autoctl 2.0 sometimes fails the request outright: ask again.
+    if [ $((SECONDS - asked)) -ge 5 ]; then
+      as_postgres pg_autoctl set node replication-quorum "$quorum" --pgdata "$HA_DIR/$name" \
+        >/dev/null 2>&1 || true
+      asked=$SECONDS
+    fi
     sleep 0.2
   done
 }
