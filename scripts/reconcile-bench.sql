@@ -89,13 +89,14 @@ WHERE a.id = s.account_id;
 
 INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path, fingerprint,
                               status, lock_token, locked_until, response_status, response_headers,
-                              response_body, transfer_id, created_at, updated_at, expires_at)
+                              response_body, transfer_id, created_at, updated_at, expires_at,
+                              retain_until)
 SELECT principal_id, idempotency_key, 'POST', '/transfers', request_fingerprint, 'COMPLETED',
        gen_random_uuid(), created_at + interval '30 seconds', 201,
        '[["content-type","application/json"],["location","/transfers"]]'::jsonb,
        convert_to(json_build_object('transfer_id', id, 'from', from_account, 'to', to_account,
                                     'amount_minor', amount_minor, 'currency', currency)::text, 'UTF8'),
-       id, created_at, created_at, created_at + interval '24 hours'
+       id, created_at, created_at, created_at + interval '24 hours', created_at + interval '400 days'
 FROM transfers
 WHERE principal_id IS NOT NULL AND created_at > now() - interval '24 hours';
 

@@ -37,7 +37,8 @@ pub enum Command {
     Serve(ServeConfig),
     /// Apply pending migrations and exit.
     Migrate,
-    /// Delete expired idempotency records and print how many.
+    /// Compact idempotency records past their TTL (their outcome stays),
+    /// delete those past their retention, and print how many.
     PurgeExpired {
         #[arg(long, env = "NEXO_PURGE_BATCH_ROWS", default_value_t = store::PURGE_BATCH_ROWS_MAX,
               value_parser = clap::value_parser!(i64).range(1..=100_000))]
@@ -177,10 +178,13 @@ async fn execute(cli: Cli) -> Result<(), String> {
             .map(|_| println!("migrations applied")),
         Command::PurgeExpired { batch_rows } => {
             let pool = connect(&cli.db).await?;
-            let deleted = store::purge_expired(&pool, batch_rows)
+            let purged = store::purge_expired(&pool, batch_rows)
                 .await
                 .map_err(|e| format!("purge failed: {e}"))?;
-            println!("purged {deleted} expired idempotency records");
+            println!(
+                "compacted {} idempotency records past their TTL, deleted {}",
+                purged.compacted, purged.deleted
+            );
             Ok(())
         }
         Command::CreatePrincipal { name } => {
@@ -346,8 +350,15 @@ async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {
     loop {
         ticker.tick().await;
         match store::purge_expired(&pool, batch_rows).await {
-            Ok(0) => {}
-            Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
+            Ok(store::Purged {
+                compacted: 0,
+                deleted: 0,
+            }) => {}
+            Ok(purged) => tracing::info!(
+                compacted = purged.compacted,
+                deleted = purged.deleted,
+                "purged idempotency records"
+            ),
             Err(e) => tracing::warn!(error = %e, "purge of expired idempotency records failed"),
         }
     }

@@ -36,6 +36,13 @@ pub struct IdempotencyConfig {
     /// process does not block a key for long.
     #[arg(long, env = "NEXO_IDEMPOTENCY_LEASE", default_value = "30s", value_parser = parse_duration)]
     pub idempotency_lease: Duration,
+    /// How long a key is remembered from its first use. Past the TTL it is
+    /// kept as a compact record (the outcome, not the response bytes):
+    /// within this horizon no key executes twice, and a success, a business
+    /// rejection or a cancellation is answered as it was. 400 days outlasts
+    /// a yearly batch job rerun with last year's keys.
+    #[arg(long, env = "NEXO_IDEMPOTENCY_RETENTION", default_value = "400days", value_parser = parse_duration)]
+    pub idempotency_retention: Duration,
 }
 
 impl IdempotencyConfig {
@@ -48,9 +55,15 @@ impl IdempotencyConfig {
                 "NEXO_IDEMPOTENCY_TTL must be longer than NEXO_IDEMPOTENCY_LEASE".to_owned(),
             );
         }
+        if self.idempotency_retention < self.idempotency_ttl {
+            return Err(
+                "NEXO_IDEMPOTENCY_RETENTION must be at least NEXO_IDEMPOTENCY_TTL".to_owned(),
+            );
+        }
         Ok(Policy {
             ttl: self.idempotency_ttl,
             lease: self.idempotency_lease,
+            retention: self.idempotency_retention,
         })
     }
 }
@@ -290,7 +303,23 @@ mod tests {
         let config = IdempotencyConfig {
             idempotency_ttl: Duration::from_secs(10),
             idempotency_lease: Duration::from_secs(30),
+            idempotency_retention: Duration::from_secs(3_600),
         };
         assert!(config.policy().is_err());
+    }
+
+    #[test]
+    fn the_retention_may_not_be_shorter_than_the_ttl() {
+        let config = |retention| IdempotencyConfig {
+            idempotency_ttl: Duration::from_secs(86_400),
+            idempotency_lease: Duration::from_secs(30),
+            idempotency_retention: Duration::from_secs(retention),
+        };
+        assert!(config(3_600).policy().is_err());
+        assert!(config(86_400).policy().is_ok());
+        assert_eq!(
+            parse_duration("400days"),
+            Ok(Duration::from_secs(400 * 86_400))
+        );
     }
 }

@@ -16,6 +16,7 @@ use metrics::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 
+use crate::idempotency::store::Purged;
 use crate::reconcile::{Check, Report};
 
 pub const HTTP_REQUESTS_TOTAL: &str = "nexo_http_requests_total";
@@ -168,7 +169,7 @@ fn describe() {
     describe_counter!(
         PURGED_KEYS_TOTAL,
         Unit::Count,
-        "Expired idempotency records deleted"
+        "Idempotency records the purge compacted (past their TTL) or deleted, by action"
     );
     describe_counter!(
         RECONCILE_RUNS_TOTAL,
@@ -199,7 +200,9 @@ fn describe() {
     for result in ["ok", "error"] {
         counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
     }
-    counter!(PURGED_KEYS_TOTAL).absolute(0);
+    for action in ["compacted", "deleted"] {
+        counter!(PURGED_KEYS_TOTAL, "action" => action).absolute(0);
+    }
     for result in ["ok", "discrepancies", "error"] {
         counter!(RECONCILE_RUNS_TOTAL, "result" => result).absolute(0);
     }
@@ -260,11 +263,12 @@ pub fn sample_pool(pool: &PgPool) {
     gauge!(DB_POOL_MAX_CONNECTIONS).set(f64::from(pool.options().get_max_connections()));
 }
 
-pub fn purge(result: &Result<u64, sqlx::Error>) {
+pub fn purge(result: &Result<Purged, sqlx::Error>) {
     match result {
-        Ok(deleted) => {
+        Ok(purged) => {
             counter!(PURGE_RUNS_TOTAL, "result" => "ok").increment(1);
-            counter!(PURGED_KEYS_TOTAL).increment(*deleted);
+            counter!(PURGED_KEYS_TOTAL, "action" => "compacted").increment(purged.compacted);
+            counter!(PURGED_KEYS_TOTAL, "action" => "deleted").increment(purged.deleted);
         }
         Err(_) => counter!(PURGE_RUNS_TOTAL, "result" => "error").increment(1),
     }

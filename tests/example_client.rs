@@ -123,6 +123,7 @@ async fn an_in_flight_key_is_retried_no_sooner_than_retry_after(pool: PgPool) {
     let policy = Policy {
         ttl: Duration::from_secs(3600),
         lease,
+        retention: Duration::from_secs(7200),
     };
     let app = TestApp::spawn_with(pool, policy, default_http()).await;
     let body = request(2_500);

@@ -97,6 +97,7 @@ async fn completing_a_batch_counts_only_the_claims_still_held(pool: sqlx::PgPool
         claim,
         fingerprint: &fingerprint,
         response: &response,
+        problem_type: None,
         transfer_id: None,
     };
 

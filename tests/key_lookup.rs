@@ -58,6 +58,8 @@ async fn a_completed_key_links_its_transfer_in_both_key_forms_and_stays_as_it_wa
             format!("/transfers/{}", transfer_id.as_str().unwrap())
         );
         assert!(view["completed_at"].is_string() && view["expires_at"].is_string());
+        assert!(view["retained_until"].is_string());
+        assert_eq!(view["answer"], "stored");
         assert_eq!(view["retry_after_seconds"], Value::Null);
     }
     assert_eq!(record_row(&app.pool, &key).await, before, "no side effect");
@@ -110,6 +112,9 @@ async fn a_key_in_flight_says_when_to_ask_again_and_a_failed_one_that_it_may_run
     assert_eq!(customer_transfer_count(&app.pool).await, 1);
 }
 
+/// Past the TTL a key is still `completed` (its answer rebuilt once the
+/// purge compacted it); past its retention it is `expired`, and still links
+/// the transfer it moved.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn an_expired_or_purged_key_still_links_the_transfer_it_moved(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
@@ -132,19 +137,45 @@ async fn an_expired_or_purged_key_still_links_the_transfer_it_moved(pool: PgPool
     .await
     .unwrap();
 
-    let expired = lookup(&app, TOKEN_A, &moved).await.json();
-    assert_eq!(expired["state"], "expired");
-    assert_eq!(expired["transfer_id"], created.json()["transfer_id"]);
-    let rejection = lookup(&app, TOKEN_B, &refused).await.json();
-    assert_eq!(rejection["state"], "expired");
-    assert_eq!(rejection["transfer_id"], Value::Null);
+    let past_ttl = lookup(&app, TOKEN_A, &moved).await.json();
+    assert_eq!(
+        (&past_ttl["state"], &past_ttl["answer"]),
+        (&Value::from("completed"), &Value::from("stored")),
+        "not purged yet: the bytes are still there"
+    );
 
-    nexo_transfers::idempotency::store::purge_expired(&app.pool, 100)
+    let purged = nexo_transfers::idempotency::store::purge_expired(&app.pool, 100)
         .await
         .unwrap();
-    let purged = lookup(&app, TOKEN_A, &moved).await.json();
-    assert_eq!(purged["state"], "expired");
-    assert_eq!(purged["transfer_id"], created.json()["transfer_id"]);
+    assert_eq!((purged.compacted, purged.deleted), (2, 0));
+    let compacted = lookup(&app, TOKEN_A, &moved).await.json();
+    assert_eq!(compacted["state"], "completed");
+    assert_eq!(compacted["answer"], "rebuilt");
+    assert_eq!(compacted["response_status"], 201);
+    assert_eq!(compacted["transfer_id"], created.json()["transfer_id"]);
+    let rejection = lookup(&app, TOKEN_B, &refused).await.json();
+    assert_eq!(rejection["state"], "completed");
+    assert_eq!(rejection["answer"], "rebuilt");
+    assert_eq!(rejection["response_status"], 422);
+    assert_eq!(rejection["transfer_id"], Value::Null);
+
+    sqlx::query("UPDATE idempotency_keys SET retain_until = now() - interval '1 second'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let past_retention = lookup(&app, TOKEN_A, &moved).await.json();
+    assert_eq!(past_retention["state"], "expired");
+    assert_eq!(past_retention["transfer_id"], created.json()["transfer_id"]);
+    let purged = nexo_transfers::idempotency::store::purge_expired(&app.pool, 100)
+        .await
+        .unwrap();
+    assert_eq!((purged.compacted, purged.deleted), (0, 2));
+    let deleted = lookup(&app, TOKEN_A, &moved).await.json();
+    assert_eq!(deleted["state"], "expired");
+    assert_eq!(deleted["transfer_id"], created.json()["transfer_id"]);
+    lookup(&app, TOKEN_B, &refused)
+        .await
+        .assert_problem(404, "not-found");
 }
 
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]

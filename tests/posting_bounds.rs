@@ -419,7 +419,8 @@ async fn sigterm_with_queued_work_and_a_lock_held_forever_ends_every_claim(pool:
     server.kill().await;
 }
 
-/// A key whose record expired and was purged is reused with another body:
+/// A key whose record passed its retention and was deleted is reused with
+/// another body:
 /// that body is refused (its transfer exists under the original intent),
 /// and the original intent's retries still get their original 201, byte
 /// for byte, from a fresh instance (no answer remembered in memory).
@@ -433,14 +434,14 @@ async fn a_purged_key_reused_with_another_body_keeps_answering_the_original(pool
     assert_eq!(created.status, 201);
     drop(first_instance);
 
-    sqlx::query("UPDATE idempotency_keys SET created_at = now() - interval '2 days', expires_at = now() - interval '1 second'")
+    sqlx::query("UPDATE idempotency_keys SET created_at = now() - interval '2 days', expires_at = now() - interval '1 second', retain_until = now() - interval '1 second'")
         .execute(&pool)
         .await
         .unwrap();
     let purged = nexo_transfers::idempotency::store::purge_expired(&pool, 100)
         .await
         .unwrap();
-    assert_eq!(purged, 1);
+    assert_eq!(purged.deleted, 1);
     assert!(
         key_status(&pool, &key).await.is_none(),
         "the record is gone"
@@ -466,8 +467,9 @@ async fn a_purged_key_reused_with_another_body_keeps_answering_the_original(pool
     assert_ledger_consistent(&app.pool).await;
 }
 
-/// The same after expiry without a purge: the record is taken over by the
-/// other body, which still cannot take the key from its transfer.
+/// The same past the TTL without a purge: the record still binds the key
+/// (it is within its retention), so the other body is refused by the
+/// record itself and the original replays its stored bytes.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn an_expired_key_reused_with_another_body_keeps_answering_the_original(pool: PgPool) {
     let first_instance = TestApp::spawn(pool.clone()).await;

@@ -560,17 +560,47 @@ async fn a_retry_after_the_record_expired_or_was_purged_does_not_move_money_agai
         "the transfer renders to the same bytes"
     );
 
-    // Purged entirely.
-    sqlx::query("UPDATE idempotency_keys SET created_at = now() - interval '2 days', expires_at = now() - interval '1 day'")
+    // Compacted by the purge: the bytes are rebuilt from the transfer.
+    let purged = idempotency::store::purge_expired(&app.pool, 10)
+        .await
+        .unwrap();
+    assert_eq!((purged.compacted, purged.deleted), (1, 0));
+    assert_eq!(
+        scalar(
+            &app.pool,
+            "SELECT count(*) FROM idempotency_keys WHERE response_body IS NULL AND compacted_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+    let after_compaction = app
+        .another_instance()
+        .await
+        .post_transfer(TOKEN_A, &key, &body)
+        .await;
+    assert_eq!(after_compaction.status, 201);
+    assert!(after_compaction.replayed());
+    assert_eq!(after_compaction.body, first.body);
+    assert_eq!(
+        after_compaction.header("location"),
+        first.header("location")
+    );
+
+    // Past its retention and deleted.
+    sqlx::query("UPDATE idempotency_keys SET retain_until = now() - interval '1 second', expires_at = now() - interval '1 day'")
         .execute(&app.pool)
         .await
         .unwrap();
     let purged = idempotency::store::purge_expired(&app.pool, 10)
         .await
         .unwrap();
-    assert_eq!(purged, 1);
+    assert_eq!((purged.compacted, purged.deleted), (0, 1));
     assert!(key_rows(&app.pool, &key).await.is_empty());
-    let after_purge = app.post_transfer(TOKEN_A, &key, &body).await;
+    let after_purge = app
+        .another_instance()
+        .await
+        .post_transfer(TOKEN_A, &key, &body)
+        .await;
     assert_eq!(after_purge.status, 201);
     assert_eq!(after_purge.body, first.body);
 
@@ -607,15 +637,34 @@ async fn the_purge_deletes_only_expired_records_in_batches(pool: PgPool) {
     .execute(&app.pool)
     .await
     .unwrap();
+    let compacted = idempotency::store::purge_expired(&app.pool, 2)
+        .await
+        .unwrap();
+    assert_eq!((compacted.compacted, compacted.deleted), (3, 0));
     assert_eq!(
-        idempotency::store::purge_expired(&app.pool, 2)
-            .await
-            .unwrap(),
-        3
+        scalar(
+            &app.pool,
+            "SELECT count(*) FROM idempotency_keys WHERE response_body IS NOT NULL"
+        )
+        .await,
+        2,
+        "records within their TTL keep their bytes"
     );
+    sqlx::query(
+        "UPDATE idempotency_keys SET retain_until = now() - interval '1 second'
+         WHERE idempotency_key = ANY($1)",
+    )
+    .bind(&keys[..2])
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let deleted = idempotency::store::purge_expired(&app.pool, 1)
+        .await
+        .unwrap();
+    assert_eq!((deleted.compacted, deleted.deleted), (0, 2));
     assert_eq!(
         scalar(&app.pool, "SELECT count(*) FROM idempotency_keys").await,
-        2
+        3
     );
     assert_eq!(
         customer_transfer_count(&app.pool).await,

@@ -10,10 +10,11 @@
 \set b case when :b >= :a then :b + 1 else :b end
 \set amount random(1, 1000)
 INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path,
-                              fingerprint, status, lock_token, locked_until, expires_at)
+                              fingerprint, status, lock_token, locked_until, expires_at,
+                              retain_until)
 VALUES (:principal::uuid, 'pgb-' || :client_id || '-' || :k, 'POST', '/transfers',
         sha256(convert_to('pgb-' || :k, 'UTF8')), 'IN_PROGRESS', gen_random_uuid(),
-        now() + interval '30 seconds', now() + interval '24 hours')
+        now() + interval '30 seconds', now() + interval '24 hours', now() + interval '400 days')
 ON CONFLICT (principal_id, idempotency_key) DO NOTHING
 RETURNING lock_token \gset
 -- Phase 2: lock both accounts in id order, write the transfer, move both

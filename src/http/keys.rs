@@ -21,6 +21,9 @@ pub struct KeyView {
     pub idempotency_key: String,
     /// `in_flight`, `completed`, `failed`, `expired` or `cancelled`.
     pub state: &'static str,
+    /// For `completed`: `stored` while the exact response is kept (until
+    /// `expires_at`), `rebuilt` once only its outcome is.
+    pub answer: Option<&'static str>,
     pub retry_after_seconds: Option<u64>,
     pub response_status: Option<u16>,
     pub transfer_id: Option<Uuid>,
@@ -28,6 +31,8 @@ pub struct KeyView {
     pub completed_at: Option<String>,
     pub cancelled_at: Option<String>,
     pub expires_at: Option<String>,
+    /// Until when the key is remembered: no request with it executes again.
+    pub retained_until: Option<String>,
 }
 
 impl KeyView {
@@ -35,6 +40,7 @@ impl KeyView {
         let mut view = Self {
             idempotency_key: key.as_str().to_owned(),
             state: "",
+            answer: None,
             retry_after_seconds: None,
             response_status: None,
             transfer_id: None,
@@ -42,6 +48,7 @@ impl KeyView {
             completed_at: None,
             cancelled_at: None,
             expires_at: None,
+            retained_until: None,
         };
         let transfer = match state {
             KeyState::InFlight { retry_after_secs } => {
@@ -54,11 +61,15 @@ impl KeyView {
                 transfer_id,
                 completed_at,
                 expires_at,
+                retained_until,
+                compacted,
             } => {
                 view.state = "completed";
+                view.answer = Some(if compacted { "rebuilt" } else { "stored" });
                 view.response_status = Some(response_status);
                 view.completed_at = Some(timestamp(completed_at));
                 view.expires_at = Some(timestamp(expires_at));
+                view.retained_until = Some(timestamp(retained_until));
                 transfer_id
             }
             KeyState::Failed => {
@@ -71,11 +82,11 @@ impl KeyView {
             }
             KeyState::Cancelled {
                 cancelled_at,
-                expires_at,
+                retained_until,
             } => {
                 view.state = "cancelled";
                 view.cancelled_at = Some(timestamp(cancelled_at));
-                view.expires_at = Some(timestamp(expires_at));
+                view.retained_until = Some(timestamp(retained_until));
                 None
             }
         };
@@ -116,12 +127,12 @@ pub async fn cancel(
     match state.transfers.cancel(principal.id, &key).await? {
         Cancellation::Cancelled {
             cancelled_at,
-            expires_at,
+            retained_until,
         } => Ok(Json(KeyView::new(
             &key,
             KeyState::Cancelled {
                 cancelled_at,
-                expires_at,
+                retained_until,
             },
         ))),
         Cancellation::InFlight { retry_after_secs } => {

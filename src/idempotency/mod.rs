@@ -9,4 +9,6 @@ pub mod store;
 
 pub use fingerprint::Fingerprint;
 pub use key::{HEADER_NAME, IDEMPOTENCY_KEY_LEN_MAX, IdempotencyKey, KeyError};
-pub use store::{Claim, ClaimOutcome, Completing, KeyStatus, Policy, StoredResponse};
+pub use store::{
+    Answer, Claim, ClaimOutcome, Completing, KeyStatus, Outcome, Policy, StoredResponse,
+};

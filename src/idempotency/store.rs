@@ -1,5 +1,6 @@
 //! All SQL on `idempotency_keys`: the insert-first claim, the takeover of
-//! abandoned or failed claims, the fenced completion, and the purge.
+//! abandoned or failed claims, the fenced completion, and the purge that
+//! compacts records past their TTL and deletes them past their retention.
 
 use std::time::Duration;
 
@@ -16,13 +17,17 @@ use crate::principal::PrincipalId;
 /// How long records live and how long a claim may stay unfinished.
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
-    /// How long a record (and so a replayable response) is kept. Past it the
-    /// purge may delete the record; `transfers`' permanent unique key still
-    /// stops a second posting.
+    /// How long a record keeps its full response, replayed byte for byte.
+    /// Past it the purge may compact the record to its outcome.
     pub ttl: Duration,
     /// How long a claim is exclusively owned. A process that dies holding one
     /// blocks its key for at most this long; then a retry takes it over.
     pub lease: Duration,
+    /// How long a key is remembered from its first use (at least `ttl`):
+    /// until then no request with it executes twice. Past it the record may
+    /// be deleted; `transfers`' permanent unique key still stops a second
+    /// posting.
+    pub retention: Duration,
 }
 
 /// Proof of owning a key: completing it requires the same `lock_token`.
@@ -106,13 +111,32 @@ pub enum ClaimOutcome {
     /// This request owns the key and must execute.
     Claimed(Claim),
     /// The key completed earlier with this same request: replay it.
-    Replay(StoredResponse),
+    Replay(Answer),
     /// The key was used for a different request.
     Mismatch,
     /// Another request holds the key and its lease is live.
     InFlight { locked_until: DateTime<Utc> },
     /// The intent was cancelled by its key: nothing may execute under it.
     Cancelled,
+}
+
+/// A completed key's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The exact response, kept until the record's TTL.
+    Stored(StoredResponse),
+    /// Past it, the compact record's outcome to rebuild the response from.
+    Remembered(Outcome),
+}
+
+/// What a compact record keeps of a completed key's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub status: StatusCode,
+    /// The problem type's slug of a refusal.
+    pub problem_type: Option<String>,
+    /// The transfer the answer is about.
+    pub transfer_id: Option<Uuid>,
 }
 
 /// A claim row can vanish (purged) or change hands between our statements;
@@ -127,22 +151,39 @@ struct ExistingRow {
     status: KeyStatus,
     locked_until: DateTime<Utc>,
     lease_live: bool,
-    expired: bool,
+    forgotten: bool,
     response_status: Option<i16>,
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
+    problem_type: Option<String>,
     transfer_id: Option<Uuid>,
     updated_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
+    retain_until: DateTime<Utc>,
+    compacted: bool,
 }
 
 impl ExistingRow {
-    fn response(self) -> Option<StoredResponse> {
+    fn response(&self) -> Option<StoredResponse> {
         StoredResponse::from_record(
             self.response_status?,
-            self.response_headers?,
-            self.response_body?,
+            self.response_headers.clone()?,
+            self.response_body.clone()?,
         )
+    }
+
+    /// The answer of a completed row: its stored bytes, or, once compacted,
+    /// the outcome to rebuild them from.
+    fn answer(&self) -> Option<Answer> {
+        if let Some(stored) = self.response() {
+            return Some(Answer::Stored(stored));
+        }
+        let status = StatusCode::from_u16(u16::try_from(self.response_status?).ok()?).ok()?;
+        Some(Answer::Remembered(Outcome {
+            status,
+            problem_type: self.problem_type.clone(),
+            transfer_id: self.transfer_id,
+        }))
     }
 }
 
@@ -156,13 +197,16 @@ struct ClaimAttempt {
     status: Option<KeyStatus>,
     locked_until: Option<DateTime<Utc>>,
     lease_live: Option<bool>,
-    expired: Option<bool>,
+    forgotten: Option<bool>,
     response_status: Option<i16>,
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
+    problem_type: Option<String>,
     transfer_id: Option<Uuid>,
     updated_at: Option<DateTime<Utc>>,
     expires_at: Option<DateTime<Utc>>,
+    retain_until: Option<DateTime<Utc>>,
+    compacted: Option<bool>,
 }
 
 impl ClaimAttempt {
@@ -172,13 +216,16 @@ impl ClaimAttempt {
             status: self.status?,
             locked_until: self.locked_until?,
             lease_live: self.lease_live?,
-            expired: self.expired?,
+            forgotten: self.forgotten?,
             response_status: self.response_status,
             response_headers: self.response_headers,
             response_body: self.response_body,
+            problem_type: self.problem_type,
             transfer_id: self.transfer_id,
             updated_at: self.updated_at?,
             expires_at: self.expires_at?,
+            retain_until: self.retain_until?,
+            compacted: self.compacted?,
         })
     }
 }
@@ -206,9 +253,10 @@ pub async fn claim(
             "WITH claimed AS (
                  INSERT INTO idempotency_keys
                      (principal_id, idempotency_key, request_method, request_path, fingerprint,
-                      status, lock_token, locked_until, expires_at)
+                      status, lock_token, locked_until, expires_at, retain_until)
                  VALUES ($1, $2, $3, $4, $5, 'IN_PROGRESS', $6,
-                         now() + make_interval(secs => $7), now() + make_interval(secs => $8))
+                         now() + make_interval(secs => $7), now() + make_interval(secs => $8),
+                         now() + make_interval(secs => $9))
                  ON CONFLICT (principal_id, idempotency_key) DO NOTHING
                  RETURNING lock_token
              )
@@ -217,9 +265,11 @@ pub async fn claim(
              LEFT JOIN LATERAL (
                  SELECT fingerprint, status, locked_until,
                         locked_until > now() AS lease_live,
-                        expires_at <= now() AS expired,
-                        response_status, response_headers, response_body,
-                        transfer_id, updated_at, expires_at
+                        idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
+                            AS forgotten,
+                        response_status, response_headers, response_body, problem_type,
+                        transfer_id, updated_at, expires_at, retain_until,
+                        compacted_at IS NOT NULL AS compacted
                  FROM idempotency_keys
                  WHERE principal_id = $1 AND idempotency_key = $2
              ) AS k ON true",
@@ -232,6 +282,7 @@ pub async fn claim(
         .bind(token)
         .bind(policy.lease.as_secs_f64())
         .bind(policy.ttl.as_secs_f64())
+        .bind(policy.retention.as_secs_f64())
         .fetch_one(pool)
         .await?;
         if attempt.claimed.is_some() {
@@ -253,7 +304,7 @@ pub async fn claim(
         last_seen_until = row.locked_until;
 
         let same_request = row.fingerprint.as_slice() == fingerprint.as_bytes().as_slice();
-        if !row.expired {
+        if !row.forgotten {
             if row.status == KeyStatus::Cancelled {
                 return Ok(ClaimOutcome::Cancelled);
             }
@@ -262,14 +313,14 @@ pub async fn claim(
             }
             match row.status {
                 KeyStatus::Completed => {
-                    let locked_until = row.locked_until;
-                    // The table's CHECK makes a missing response unreachable;
-                    // answer as in flight rather than execute a completed
-                    // intent again.
-                    return Ok(match row.response() {
-                        Some(stored) => ClaimOutcome::Replay(stored),
-                        None => ClaimOutcome::InFlight { locked_until },
-                    });
+                    // The table's CHECKs make a completed row without an
+                    // outcome unreachable; answer as in flight rather than
+                    // execute a completed intent again.
+                    return Ok(row.answer().map(ClaimOutcome::Replay).unwrap_or(
+                        ClaimOutcome::InFlight {
+                            locked_until: row.locked_until,
+                        },
+                    ));
                 }
                 KeyStatus::InProgress if row.lease_live => {
                     return Ok(ClaimOutcome::InFlight {
@@ -320,12 +371,24 @@ async fn take_over(
              response_status = NULL,
              response_headers = NULL,
              response_body = NULL,
+             problem_type = NULL,
              transfer_id = NULL,
-             created_at = CASE WHEN expires_at <= now() THEN now() ELSE created_at END,
-             expires_at = CASE WHEN expires_at <= now() THEN now() + make_interval(secs => $5)
-                               ELSE expires_at END
+             compacted_at = NULL,
+             -- A forgotten record starts a new life; a failed or abandoned
+             -- one keeps its horizons. The conditions read the row itself,
+             -- never a snapshot of it: a racing takeover that committed
+             -- first is seen when this one re-checks its WHERE.
+             created_at = CASE WHEN idempotency_key_forgotten(status, locked_until, expires_at,
+                                                              retain_until)
+                               THEN now() ELSE created_at END,
+             expires_at = CASE WHEN idempotency_key_forgotten(status, locked_until, expires_at,
+                                                              retain_until)
+                               THEN now() + make_interval(secs => $5) ELSE expires_at END,
+             retain_until = CASE WHEN idempotency_key_forgotten(status, locked_until, expires_at,
+                                                                retain_until)
+                                 THEN now() + make_interval(secs => $9) ELSE retain_until END
          WHERE principal_id = $1 AND idempotency_key = $2
-           AND (expires_at <= now()
+           AND (idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
                 OR (fingerprint = $8
                     AND (status = 'FAILED' OR (status = 'IN_PROGRESS' AND locked_until <= now()))))
          RETURNING lock_token",
@@ -338,6 +401,7 @@ async fn take_over(
     .bind(method)
     .bind(path)
     .bind(fingerprint.as_bytes().as_slice())
+    .bind(policy.retention.as_secs_f64())
     .fetch_optional(pool)
     .await
 }
@@ -350,9 +414,11 @@ async fn read_row(
     sqlx::query_as(
         "SELECT fingerprint, status, locked_until,
                 locked_until > now() AS lease_live,
-                expires_at <= now() AS expired,
-                response_status, response_headers, response_body,
-                transfer_id, updated_at, expires_at
+                idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
+                    AS forgotten,
+                response_status, response_headers, response_body, problem_type,
+                transfer_id, updated_at, expires_at, retain_until,
+                compacted_at IS NOT NULL AS compacted
          FROM idempotency_keys
          WHERE principal_id = $1 AND idempotency_key = $2",
     )
@@ -362,22 +428,22 @@ async fn read_row(
     .await
 }
 
-/// The stored answer of a key that completed for this very request, if it
-/// did: what a request that lost its claim to another one answers with.
+/// The answer of a key that completed for this very request, if it did:
+/// what a request that lost its claim to another one answers with.
 pub async fn completed_answer(
     keys: &KeyPool,
     scope: PrincipalId,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
-) -> Result<Option<StoredResponse>, sqlx::Error> {
+) -> Result<Option<Answer>, sqlx::Error> {
     Ok(read_row(keys.pool(), scope, key)
         .await?
         .filter(|row| {
             row.status == KeyStatus::Completed
-                && !row.expired
+                && !row.forgotten
                 && row.fingerprint.as_slice() == fingerprint.as_bytes()
         })
-        .and_then(ExistingRow::response))
+        .and_then(|row| row.answer()))
 }
 
 /// A key's record as a lookup reports it: never the stored answer's bytes,
@@ -387,11 +453,15 @@ pub struct KeyRecord {
     pub status: KeyStatus,
     pub lease_live: bool,
     pub locked_until: DateTime<Utc>,
-    pub expired: bool,
+    /// The record no longer binds its key (see `idempotency_key_forgotten`).
+    pub forgotten: bool,
+    /// Its response bytes are gone; its outcome stays.
+    pub compacted: bool,
     pub response_status: Option<i16>,
     pub transfer_id: Option<Uuid>,
     pub updated_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
+    pub retain_until: DateTime<Utc>,
 }
 
 /// The record of a key in a principal's scope, read without a side effect.
@@ -404,11 +474,13 @@ pub async fn record(
         status: row.status,
         lease_live: row.lease_live,
         locked_until: row.locked_until,
-        expired: row.expired,
+        forgotten: row.forgotten,
+        compacted: row.compacted,
         response_status: row.response_status,
         transfer_id: row.transfer_id,
         updated_at: row.updated_at,
         expires_at: row.expires_at,
+        retain_until: row.retain_until,
     }))
 }
 
@@ -418,7 +490,7 @@ pub enum CancelOutcome {
     /// The key is a tombstone now (or already was).
     Cancelled {
         cancelled_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
+        retain_until: DateTime<Utc>,
     },
     /// A request holds the key: it may still complete.
     InFlight { locked_until: DateTime<Utc> },
@@ -430,7 +502,7 @@ pub enum CancelOutcome {
 }
 
 /// A key's row as `cancel` reads it under its lock: status, lease live,
-/// expired, lease end, transfer.
+/// forgotten, lease end, transfer.
 type LockedRecord = (KeyStatus, bool, bool, DateTime<Utc>, Option<Uuid>);
 
 /// The fingerprint of a tombstone: no request hashes to 32 zero bytes.
@@ -452,7 +524,9 @@ pub async fn cancel(
 ) -> Result<CancelOutcome, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let row: Option<LockedRecord> = sqlx::query_as(
-        "SELECT status, locked_until > now(), expires_at <= now(), locked_until, transfer_id
+        "SELECT status, locked_until > now(),
+                idempotency_key_forgotten(status, locked_until, expires_at, retain_until),
+                locked_until, transfer_id
          FROM idempotency_keys WHERE principal_id = $1 AND idempotency_key = $2 FOR UPDATE",
     )
     .bind(scope)
@@ -467,7 +541,7 @@ pub async fn cancel(
             CancelOutcome::InFlight { locked_until }
         }
         (_, Some(transfer_id)) => CancelOutcome::TransferExists { transfer_id },
-        // Never seen, expired, FAILED, abandoned, or already a tombstone.
+        // Never seen, forgotten, FAILED, abandoned, or already a tombstone.
         _ => tombstone(&mut tx, policy, scope, key, route).await?,
     };
     tx.commit().await?;
@@ -485,26 +559,40 @@ async fn tombstone(
     route: &str,
 ) -> Result<CancelOutcome, sqlx::Error> {
     let written: Option<(DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
-        "INSERT INTO idempotency_keys
+        "INSERT INTO idempotency_keys AS k
              (principal_id, idempotency_key, request_method, request_path, fingerprint,
-              status, lock_token, locked_until, expires_at)
-         VALUES ($1, $2, 'POST', $3, $4, 'CANCELLED', $5, now(), now() + make_interval(secs => $6))
+              status, lock_token, locked_until, expires_at, retain_until)
+         VALUES ($1, $2, 'POST', $3, $4, 'CANCELLED', $5, now(), now() + make_interval(secs => $6),
+                 now() + make_interval(secs => $7))
          ON CONFLICT (principal_id, idempotency_key) DO UPDATE SET
              status = 'CANCELLED',
              fingerprint = EXCLUDED.fingerprint,
              lock_token = EXCLUDED.lock_token,
              locked_until = now(),
              response_status = NULL, response_headers = NULL, response_body = NULL,
+             problem_type = NULL,
              transfer_id = NULL,
-             updated_at = CASE WHEN idempotency_keys.status = 'CANCELLED'
-                               AND idempotency_keys.expires_at > now()
-                               THEN idempotency_keys.updated_at ELSE now() END,
-             created_at = CASE WHEN idempotency_keys.expires_at <= now() THEN now()
-                               ELSE idempotency_keys.created_at END,
-             expires_at = CASE WHEN idempotency_keys.expires_at <= now() THEN EXCLUDED.expires_at
-                               ELSE idempotency_keys.expires_at END
-         WHERE idempotency_keys.status <> 'COMPLETED' OR idempotency_keys.expires_at <= now()
-         RETURNING updated_at, expires_at",
+             -- A live tombstone keeps its time; a forgotten record starts a
+             -- new life.
+             updated_at = CASE WHEN k.status = 'CANCELLED'
+                                    AND NOT idempotency_key_forgotten(k.status, k.locked_until,
+                                                                      k.expires_at, k.retain_until)
+                               THEN k.updated_at ELSE now() END,
+             compacted_at = CASE WHEN idempotency_key_forgotten(k.status, k.locked_until,
+                                                                k.expires_at, k.retain_until)
+                                 THEN NULL ELSE k.compacted_at END,
+             created_at = CASE WHEN idempotency_key_forgotten(k.status, k.locked_until,
+                                                              k.expires_at, k.retain_until)
+                               THEN now() ELSE k.created_at END,
+             expires_at = CASE WHEN idempotency_key_forgotten(k.status, k.locked_until,
+                                                              k.expires_at, k.retain_until)
+                               THEN EXCLUDED.expires_at ELSE k.expires_at END,
+             retain_until = CASE WHEN idempotency_key_forgotten(k.status, k.locked_until,
+                                                                k.expires_at, k.retain_until)
+                                 THEN EXCLUDED.retain_until ELSE k.retain_until END
+         WHERE k.status <> 'COMPLETED'
+            OR idempotency_key_forgotten(k.status, k.locked_until, k.expires_at, k.retain_until)
+         RETURNING updated_at, retain_until",
     )
     .bind(scope)
     .bind(key.as_str())
@@ -512,12 +600,13 @@ async fn tombstone(
     .bind(TOMBSTONE_FINGERPRINT.as_slice())
     .bind(Uuid::new_v4())
     .bind(policy.ttl.as_secs_f64())
+    .bind(policy.retention.as_secs_f64())
     .fetch_optional(&mut *conn)
     .await?;
-    if let Some((cancelled_at, expires_at)) = written {
+    if let Some((cancelled_at, retain_until)) = written {
         return Ok(CancelOutcome::Cancelled {
             cancelled_at,
-            expires_at,
+            retain_until,
         });
     }
     // The key had no row when we looked; a claim inserted one since and its
@@ -542,6 +631,8 @@ pub struct Completing<'a> {
     pub claim: &'a Claim,
     pub fingerprint: &'a Fingerprint,
     pub response: &'a StoredResponse,
+    /// The slug of a refusal's problem type, kept past compaction.
+    pub problem_type: Option<&'a str>,
     pub transfer_id: Option<Uuid>,
 }
 
@@ -557,8 +648,8 @@ pub async fn complete_all(
 ) -> Result<Vec<Uuid>, sqlx::Error> {
     let (mut scopes, mut keys, mut tokens, mut fingerprints) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut statuses, mut headers, mut bodies, mut transfers) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut statuses, mut headers, mut bodies, mut transfers, mut problem_types) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for c in completions {
         scopes.push(c.claim.scope);
         keys.push(c.claim.key.as_str());
@@ -568,6 +659,7 @@ pub async fn complete_all(
         headers.push(c.response.header_texts());
         bodies.push(c.response.body.as_ref());
         transfers.push(c.transfer_id);
+        problem_types.push(c.problem_type);
     }
     sqlx::query_scalar(
         "UPDATE idempotency_keys k SET
@@ -577,11 +669,12 @@ pub async fn complete_all(
              response_headers = c.headers,
              response_body = c.body,
              transfer_id = c.transfer_id,
+             problem_type = c.problem_type,
              updated_at = now()
          FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bytea[], $5::int2[], $6::jsonb[],
-                     $7::bytea[], $8::uuid[])
+                     $7::bytea[], $8::uuid[], $9::text[])
               AS c(principal_id, idempotency_key, lock_token, fingerprint, status, headers, body,
-                   transfer_id)
+                   transfer_id, problem_type)
          WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
            AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'
          RETURNING k.lock_token",
@@ -594,6 +687,7 @@ pub async fn complete_all(
     .bind(&headers)
     .bind(&bodies)
     .bind(&transfers)
+    .bind(&problem_types)
     .fetch_all(conn)
     .await
 }
@@ -626,29 +720,81 @@ pub async fn mark_failed_all(keys: &KeyPool, claims: &[&Claim]) -> Result<u64, s
     Ok(result.rows_affected())
 }
 
-/// How many expired rows one purge statement deletes: small enough that a
-/// batch holds its locks for milliseconds, large enough to keep up with a
-/// busy day's keys in a few seconds.
+/// How many records one purge statement compacts or deletes: small enough
+/// that a batch holds its locks for milliseconds, large enough to keep up
+/// with a busy day's keys in a few seconds.
 pub const PURGE_BATCH_ROWS_MAX: i64 = 1_000;
 
-/// Deletes expired records in batches of at most `batch_rows` until none are
-/// left; returns how many it deleted.
+/// What one purge did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// Records past their TTL reduced to their outcome.
+    pub compacted: u64,
+    /// Records deleted: past their retention, or past their TTL without an
+    /// outcome (failed or abandoned claims).
+    pub deleted: u64,
+}
+
+/// Compacts records past their TTL and deletes records no longer worth
+/// keeping, in batches of at most `batch_rows`, until none are left.
 #[tracing::instrument(skip(pool))]
-pub async fn purge_expired(pool: &PgPool, batch_rows: i64) -> Result<u64, sqlx::Error> {
+pub async fn purge_expired(pool: &PgPool, batch_rows: i64) -> Result<Purged, sqlx::Error> {
     let result = purge_batches(pool, batch_rows).await;
     crate::telemetry::purge(&result);
     result
 }
 
-async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<u64, sqlx::Error> {
-    let mut total = 0;
+async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<Purged, sqlx::Error> {
+    let batch_rows = batch_rows.max(1);
+    let mut purged = Purged::default();
+    // Pass 1: records past their TTL. Each is compacted when it holds an
+    // outcome still retained, deleted otherwise. A claim in flight is left
+    // to finish.
+    loop {
+        let (seen, compacted, deleted): (i64, i64, i64) = sqlx::query_as(
+            "WITH due AS (
+                 SELECT principal_id, idempotency_key,
+                        idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
+                            AS forgotten
+                 FROM idempotency_keys
+                 WHERE compacted_at IS NULL AND expires_at <= now()
+                   AND NOT (status = 'IN_PROGRESS' AND locked_until > now())
+                 ORDER BY expires_at
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED
+             ), deleted AS (
+                 DELETE FROM idempotency_keys k USING due
+                 WHERE k.principal_id = due.principal_id AND k.idempotency_key = due.idempotency_key
+                   AND due.forgotten
+                 RETURNING 1
+             ), compacted AS (
+                 UPDATE idempotency_keys k
+                 SET compacted_at = now(), response_headers = NULL, response_body = NULL
+                 FROM due
+                 WHERE k.principal_id = due.principal_id AND k.idempotency_key = due.idempotency_key
+                   AND NOT due.forgotten
+                 RETURNING 1
+             )
+             SELECT (SELECT count(*) FROM due), (SELECT count(*) FROM compacted),
+                    (SELECT count(*) FROM deleted)",
+        )
+        .bind(batch_rows)
+        .fetch_one(pool)
+        .await?;
+        purged.compacted += u64::try_from(compacted).unwrap_or(0);
+        purged.deleted += u64::try_from(deleted).unwrap_or(0);
+        if seen < batch_rows {
+            break;
+        }
+    }
+    // Pass 2: compact records past their retention.
     loop {
         let deleted = sqlx::query(
             "DELETE FROM idempotency_keys
              WHERE (principal_id, idempotency_key) IN (
                  SELECT principal_id, idempotency_key FROM idempotency_keys
-                 WHERE expires_at <= now()
-                 ORDER BY expires_at
+                 WHERE compacted_at IS NOT NULL AND retain_until <= now()
+                 ORDER BY retain_until
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED)",
         )
@@ -656,9 +802,9 @@ async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<u64, sqlx::Erro
         .execute(pool)
         .await?
         .rows_affected();
-        total += deleted;
-        if deleted < batch_rows.max(1) as u64 {
-            return Ok(total);
+        purged.deleted += deleted;
+        if deleted < batch_rows as u64 {
+            return Ok(purged);
         }
     }
 }

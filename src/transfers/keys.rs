@@ -17,24 +17,29 @@ use crate::principal::PrincipalId;
 pub enum KeyState {
     /// A request holds the key now; ask again (or retry) after this long.
     InFlight { retry_after_secs: u64 },
-    /// Its answer is stored: a retry of the same request replays it.
+    /// Its answer is kept: a retry of the same request replays it, byte for
+    /// byte from the stored copy until `expires_at`, then rebuilt from the
+    /// compact record until `retained_until`.
     Completed {
         response_status: u16,
         transfer_id: Option<Uuid>,
         completed_at: DateTime<Utc>,
         expires_at: DateTime<Utc>,
+        retained_until: DateTime<Utc>,
+        compacted: bool,
     },
     /// Released after a technical failure, or abandoned by a process that
     /// died: the same request executes again, once.
     Failed,
-    /// Its record expired or was purged; the transfer it moved, if any,
-    /// stays (a retry of the same request is answered with it).
+    /// Its record is past its retention (or was a failed claim past its
+    /// TTL); the transfer it moved, if any, stays (a retry of the same
+    /// request is answered with it).
     Expired { transfer_id: Option<Uuid> },
     /// The intent was cancelled by its key: every request with it is
-    /// refused until `expires_at`.
+    /// refused until `retained_until`.
     Cancelled {
         cancelled_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
+        retained_until: DateTime<Utc>,
     },
 }
 
@@ -45,7 +50,7 @@ pub enum Cancellation {
     /// synchronous standby, replicated).
     Cancelled {
         cancelled_at: DateTime<Utc>,
-        expires_at: DateTime<Utc>,
+        retained_until: DateTime<Utc>,
     },
     /// A request holds the key; ask again after this long.
     InFlight { retry_after_secs: u64 },
@@ -63,7 +68,7 @@ impl Transfers {
     ) -> Result<Option<KeyState>, TransferError> {
         let record = store::record(&self.pool, principal, key).await?;
         let state = match record {
-            Some(r) if !r.expired => match r.status {
+            Some(r) if !r.forgotten => match r.status {
                 KeyStatus::InProgress if r.lease_live => {
                     let left = (r.locked_until - Utc::now()).num_seconds();
                     KeyState::InFlight {
@@ -75,7 +80,7 @@ impl Transfers {
                 KeyStatus::InProgress | KeyStatus::Failed => KeyState::Failed,
                 KeyStatus::Cancelled => KeyState::Cancelled {
                     cancelled_at: r.updated_at,
-                    expires_at: r.expires_at,
+                    retained_until: r.retain_until,
                 },
                 KeyStatus::Completed => {
                     // A completed record is an answer: like a replay, it is
@@ -92,6 +97,8 @@ impl Transfers {
                         transfer_id: r.transfer_id,
                         completed_at: r.updated_at,
                         expires_at: r.expires_at,
+                        retained_until: r.retain_until,
+                        compacted: r.compacted,
                     }
                 }
             },
@@ -126,7 +133,7 @@ impl Transfers {
         Ok(match outcome {
             CancelOutcome::Cancelled {
                 cancelled_at,
-                expires_at,
+                retain_until,
             } => {
                 // The promise that the intent never executes holds only once
                 // a synchronous standby has the tombstone.
@@ -136,7 +143,7 @@ impl Transfers {
                     .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
                 Cancellation::Cancelled {
                     cancelled_at,
-                    expires_at,
+                    retained_until: retain_until,
                 }
             }
             CancelOutcome::InFlight { locked_until } => Cancellation::InFlight {

@@ -30,8 +30,9 @@ use crate::caches::Caches;
 use crate::db::replication::Replication;
 use crate::db::{self, KeyPool};
 use crate::idempotency::{
-    ClaimOutcome, Fingerprint, IdempotencyKey, Policy, StoredResponse, store,
+    Answer, ClaimOutcome, Fingerprint, IdempotencyKey, Outcome, Policy, StoredResponse, store,
 };
+use crate::ledger;
 use crate::principal::PrincipalId;
 use crate::problem::Problem;
 use crate::telemetry;
@@ -76,6 +77,13 @@ pub enum Rejection {
 }
 
 impl Rejection {
+    const ALL: [Self; 2] = [Self::InsufficientFunds, Self::KeyReused];
+
+    /// The rejection whose problem type has this slug.
+    pub fn from_slug(slug: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.problem().slug == slug)
+    }
+
     pub fn problem(self) -> Problem {
         match self {
             Self::InsufficientFunds => Problem {
@@ -323,22 +331,9 @@ impl Transfers {
         .await;
         let claim = match claimed {
             Err(e) => return (None, Err(e.into())),
-            Ok(ClaimOutcome::Replay(stored)) => {
-                // A completed row another session can see may be a commit
-                // whose replication wait was cancelled: replay it only once
-                // a standby has it.
-                if self.confirm_replicated().await.is_err() {
-                    return (
-                        Some(KeyOutcome::Replayed),
-                        Err(TransferError::Retryable(RetryReason::NotReplicated)),
-                    );
-                }
-                self.caches
-                    .remember_completed(principal, key.as_str(), &fingerprint, &stored);
-                return (
-                    Some(KeyOutcome::Replayed),
-                    Ok(TransferAnswer::replayed(stored)),
-                );
+            Ok(ClaimOutcome::Replay(answer)) => {
+                let replayed = self.replay(principal, &key, &fingerprint, answer).await;
+                return (Some(KeyOutcome::Replayed), replayed);
             }
             Ok(ClaimOutcome::Mismatch) => {
                 return (Some(KeyOutcome::Mismatch), Err(TransferError::KeyReused));
@@ -474,13 +469,60 @@ impl Transfers {
         fingerprint: &Fingerprint,
     ) -> Result<TransferAnswer, TransferError> {
         match store::completed_answer(&self.keys, principal, key, fingerprint).await? {
-            Some(stored) => {
-                self.confirm_replicated()
-                    .await
-                    .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
-                Ok(TransferAnswer::replayed(stored))
-            }
+            Some(answer) => self.replay(principal, key, fingerprint, answer).await,
             None => Err(TransferError::InFlight),
+        }
+    }
+
+    /// The answer of a key that completed for this same request: its stored
+    /// bytes, or, once its record was compacted, the response rebuilt from
+    /// its outcome. A completed row another session can see may be a commit
+    /// whose replication wait was cancelled: it is replayed only once a
+    /// standby has it.
+    async fn replay(
+        &self,
+        principal: PrincipalId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        answer: Answer,
+    ) -> Result<TransferAnswer, TransferError> {
+        let stored = match answer {
+            Answer::Stored(stored) => stored,
+            Answer::Remembered(outcome) => self.rebuild(&outcome).await?,
+        };
+        self.confirm_replicated()
+            .await
+            .map_err(|_| TransferError::Retryable(RetryReason::NotReplicated))?;
+        self.caches
+            .remember_completed(principal, key.as_str(), fingerprint, &stored);
+        Ok(TransferAnswer::replayed(stored))
+    }
+
+    /// A compacted answer, rebuilt: a transfer's 201 from the transfer
+    /// (the same bytes: it renders from the row alone), a refusal from its
+    /// problem type (the same bytes, but for the `request_id`, which is the
+    /// retry's).
+    async fn rebuild(&self, outcome: &Outcome) -> Result<StoredResponse, TransferError> {
+        if outcome.status.is_success() {
+            let id = outcome.transfer_id.ok_or(TransferError::Internal)?;
+            return match ledger::repo::get_transfer(&self.pool, id).await? {
+                Some(transfer) => Ok(render::created(&transfer)),
+                None => {
+                    tracing::error!(%id, "a compact key record names a transfer that does not exist");
+                    Err(TransferError::Internal)
+                }
+            };
+        }
+        match outcome
+            .problem_type
+            .as_deref()
+            .and_then(Rejection::from_slug)
+        {
+            Some(rejection) => Ok(rejection.problem().to_stored()),
+            None => {
+                tracing::error!(problem_type = ?outcome.problem_type, "a compact key record's refusal is of an unknown type");
+                Err(TransferError::Internal)
+            }
         }
     }
 

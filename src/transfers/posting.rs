@@ -539,6 +539,7 @@ impl Postings {
                 claim: &jobs[i].transfer.claim,
                 fingerprint: &s.stored_fingerprint,
                 response: &s.stored,
+                problem_type: s.stored_problem_type,
                 transfer_id: s.posted.transfer_id,
             })
             .collect();
@@ -661,11 +662,14 @@ struct Settlement {
     /// The request's own fingerprint, or that of the intent whose transfer
     /// the key already has, so that intent's retries keep replaying it.
     stored_fingerprint: Fingerprint,
+    /// The slug of the stored answer's problem type, when it is a refusal.
+    stored_problem_type: Option<&'static str>,
     posted: Posted,
 }
 
 fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
     let own = transfer.fingerprint;
+    let mut stored_problem_type = None;
     let (stored, stored_fingerprint, answer, transfer_id, decision) = match settled {
         Settled::Posted(t) => {
             let stored = render::created(&t);
@@ -699,6 +703,7 @@ fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
             )
         }
         Settled::InsufficientFunds => {
+            stored_problem_type = Some(Rejection::InsufficientFunds.problem().slug);
             let stored = Rejection::InsufficientFunds.problem().to_stored();
             (
                 stored.clone(),
@@ -712,6 +717,7 @@ fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
     Settlement {
         stored,
         stored_fingerprint,
+        stored_problem_type,
         posted: Posted {
             answer,
             transfer_id,

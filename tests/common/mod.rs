@@ -30,6 +30,7 @@ pub fn default_policy() -> Policy {
     Policy {
         ttl: Duration::from_secs(24 * 3600),
         lease: Duration::from_secs(30),
+        retention: Duration::from_secs(400 * 24 * 3600),
     }
 }
 
@@ -53,6 +54,12 @@ pub struct TestApp {
 impl TestApp {
     pub async fn spawn(pool: PgPool) -> Self {
         Self::spawn_with(pool, default_policy(), default_http()).await
+    }
+
+    /// A second instance on the same database: it remembers no answer in
+    /// memory, so what it answers comes from the database.
+    pub async fn another_instance(&self) -> Self {
+        Self::spawn(self.pool.clone()).await
     }
 
     pub async fn spawn_with(pool: PgPool, policy: Policy, http: HttpConfig) -> Self {
@@ -446,6 +453,15 @@ pub async fn entry_count(pool: &PgPool, account: &str) -> i64 {
         .fetch_one(pool)
         .await
         .expect("entry count")
+}
+
+/// Transfers created under a key, whoever's.
+pub async fn transfers_under(pool: &PgPool, key: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM transfers WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .expect("transfers under a key")
 }
 
 pub async fn key_rows(pool: &PgPool, key: &str) -> Vec<(String, Option<i16>)> {
