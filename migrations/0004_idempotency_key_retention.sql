@@ -9,7 +9,13 @@
 ALTER TABLE idempotency_keys
     ADD COLUMN retain_until timestamptz,
     ADD COLUMN compacted_at timestamptz,
-    ADD COLUMN problem_type text;
+    ADD COLUMN problem_type text,
+    -- The x-request-id of the request whose refusal the record holds (a
+    -- business rejection, or the cancellation of a tombstone): a refusal's
+    -- problem document names it, so every answer from the record, rebuilt
+    -- past compaction too, is the same bytes. NULL for a success: a 201
+    -- does not carry it.
+    ADD COLUMN request_id text;
 
 -- Records written before this migration are kept for the default retention
 -- counted from their creation, as if they had been written under it.
@@ -45,6 +51,8 @@ ALTER TABLE idempotency_keys
                OR problem_type IS NOT NULL),
     ADD CONSTRAINT idempotency_keys_problem_type_format
         CHECK (problem_type ~ '^[a-z0-9-]{1,64}$'),
+    ADD CONSTRAINT idempotency_keys_request_id_length
+        CHECK (char_length(request_id) BETWEEN 1 AND 128),
     ADD CONSTRAINT idempotency_keys_retained_past_expiry
         CHECK (retain_until >= expires_at);
 

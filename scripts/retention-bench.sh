@@ -52,7 +52,7 @@ SELECT '00000000-0000-4000-8000-000000000001', gen_random_uuid()::text, 'POST', 
                              'receipt', json_build_object('receipt_id', 'rcpt_' || replace(t.id::text, '-', ''),
                                                           'debit_entry_id', 2 * n, 'credit_entry_id', 2 * n + 1,
                                                           'issued_at', '2026-11-30T12:00:00.123456Z'))::text
-         ELSE '{"type":"https://nexo-transfers.example/problems/insufficient-funds","title":"Insufficient funds","status":422,"detail":"the source account balance cannot cover this transfer"}'
+         ELSE '{"type":"/problems/insufficient-funds","title":"Insufficient funds","status":422,"detail":"the source account balance cannot cover this transfer","param":"amount_minor","request_id":"' || gen_random_uuid() || '"}'
          END, 'UTF8'),
        CASE WHEN s.status = 422 THEN 'insufficient-funds' END,
        CASE WHEN s.status = 201 THEN t.id END,

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use common::*;
 use nexo_transfers::http::docs;
 use nexo_transfers::http::error::{ApiError, PROBLEM_TYPE_BASE, ValidationKind};
+use nexo_transfers::http::problems;
 use nexo_transfers::idempotency::KeyError;
 use nexo_transfers::transfers::RetryReason;
 use serde_json::Value;
@@ -317,7 +318,11 @@ fn every_api_error() -> Vec<ApiError> {
     }
     let mut errors: Vec<ApiError> = kinds
         .into_iter()
-        .map(|kind| ApiError::validation(kind, "x"))
+        .map(|kind| ApiError::Validation {
+            kind,
+            param: "x",
+            detail: "x".to_owned(),
+        })
         .collect();
     errors.extend([
         ApiError::Unauthorized,
@@ -325,8 +330,11 @@ fn every_api_error() -> Vec<ApiError> {
         ApiError::IdempotencyKey(KeyError::Repeated),
         ApiError::UnsupportedMediaType,
         ApiError::PayloadTooLarge,
-        ApiError::MalformedRequest("x".to_owned()),
-        ApiError::InvalidQuery("x".to_owned()),
+        ApiError::MalformedRequest {
+            detail: "x".to_owned(),
+            param: None,
+        },
+        ApiError::invalid_query("limit", "x"),
         ApiError::NotFound,
         ApiError::MethodNotAllowed,
         ApiError::IdempotencyKeyReused,
@@ -334,7 +342,7 @@ fn every_api_error() -> Vec<ApiError> {
             retry_after_secs: 1,
         },
         ApiError::InsufficientFunds,
-        ApiError::IntentCancelled,
+        ApiError::IntentCancelled { request_id: None },
         ApiError::IntentCompleted { transfer_id: None },
         ApiError::RateLimited {
             retry_after_secs: 1,
@@ -349,15 +357,15 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::IdempotencyKey(_)
             | ApiError::UnsupportedMediaType
             | ApiError::PayloadTooLarge
-            | ApiError::MalformedRequest(_)
+            | ApiError::MalformedRequest { .. }
             | ApiError::Validation { .. }
-            | ApiError::InvalidQuery(_)
+            | ApiError::InvalidQuery { .. }
             | ApiError::NotFound
             | ApiError::MethodNotAllowed
             | ApiError::IdempotencyKeyReused
             | ApiError::RequestInFlight { .. }
             | ApiError::InsufficientFunds
-            | ApiError::IntentCancelled
+            | ApiError::IntentCancelled { .. }
             | ApiError::IntentCompleted { .. }
             | ApiError::RateLimited { .. }
             | ApiError::ServiceUnavailable
@@ -394,6 +402,25 @@ fn every_problem_type_the_server_answers_with_is_documented() {
         assert!(
             spec_text.contains(&format!("| `{slug}` | {} |", error.status().as_u16())),
             "the problem table in openapi.yaml lacks `{slug}` with its status"
+        );
+    }
+}
+
+/// Every problem type the server can answer with has its page, with the
+/// title and status the documents carry: `docs/problems.md`, which the
+/// pages are rendered from, cannot drift from the code.
+#[test]
+fn every_problem_type_has_its_page_with_its_title_and_status() {
+    for error in every_api_error() {
+        let problem = error.problem();
+        let page = problems::find(problem.slug)
+            .unwrap_or_else(|| panic!("docs/problems.md has no row for `{}`", problem.slug));
+        assert_eq!(page.title, problem.title, "title of `{}`", problem.slug);
+        assert_eq!(
+            page.status,
+            problem.status.as_u16(),
+            "status of `{}`",
+            problem.slug
         );
     }
 }

@@ -98,6 +98,7 @@ async fn completing_a_batch_counts_only_the_claims_still_held(pool: sqlx::PgPool
         fingerprint: &fingerprint,
         response: &response,
         problem_type: None,
+        request_id: None,
         transfer_id: None,
     };
 

@@ -406,6 +406,7 @@ async fn an_abandoned_claim_is_taken_over_after_its_lease_and_the_late_original_
                 claim: original,
                 fingerprint: intent.fingerprint(),
                 intent: intent.clone(),
+                request_id: None,
             },
             admission,
         )

@@ -78,15 +78,14 @@ pub async fn entries(
     PathParam(account_id): PathParam,
     query: Result<Query<EntriesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<EntriesPage>, ApiError> {
-    let Query(query) = query.map_err(|_| {
-        ApiError::InvalidQuery("the accepted query parameters are limit and cursor".to_owned())
-    })?;
+    let Query(query) = query.map_err(|_| ApiError::unexpected_query("limit and cursor"))?;
     let limit = super::paging::limit(query.limit.as_deref())?;
     let before = match query.cursor.as_deref() {
         None => None,
         Some(raw) => Some(decode_cursor(raw).ok_or_else(|| {
-            ApiError::InvalidQuery(
-                "cursor must be a next_cursor value from a previous page".to_owned(),
+            ApiError::invalid_query(
+                "cursor",
+                "cursor must be a next_cursor value from a previous page",
             )
         })?),
     };

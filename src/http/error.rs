@@ -2,6 +2,8 @@
 //! Each kind has a stable `type` URI; 5xx bodies never carry internal text
 //! (the cause is logged instead).
 
+use std::borrow::Cow;
+
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -25,15 +27,25 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("the request body is larger than the server accepts")]
     PayloadTooLarge,
-    #[error("{0}")]
-    MalformedRequest(String),
+    /// The body is not JSON of the expected shape; `param` names the field
+    /// at fault when the parser could tell.
+    #[error("{detail}")]
+    MalformedRequest {
+        detail: String,
+        param: Option<String>,
+    },
     #[error("{detail}")]
     Validation {
         kind: ValidationKind,
+        param: &'static str,
         detail: String,
     },
-    #[error("{0}")]
-    InvalidQuery(String),
+    /// A query parameter is wrong (`param`), or one is not accepted.
+    #[error("{detail}")]
+    InvalidQuery {
+        param: Option<&'static str>,
+        detail: String,
+    },
     #[error("not found")]
     NotFound,
     #[error("method not allowed")]
@@ -44,8 +56,10 @@ pub enum ApiError {
     RequestInFlight { retry_after_secs: u64 },
     #[error("the source account balance cannot cover this transfer")]
     InsufficientFunds,
+    /// Names the request that cancelled the intent, so every refusal is
+    /// the same document.
     #[error("the intent of this idempotency key was cancelled")]
-    IntentCancelled,
+    IntentCancelled { request_id: Option<String> },
     /// The key's intent completed, so it cannot be cancelled.
     #[error("the intent of this idempotency key already completed")]
     IntentCompleted { transfer_id: Option<uuid::Uuid> },
@@ -61,17 +75,41 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn validation(kind: ValidationKind, detail: impl Into<String>) -> Self {
-        Self::Validation {
-            kind,
+    pub fn invalid_query(param: &'static str, detail: impl Into<String>) -> Self {
+        Self::InvalidQuery {
+            param: Some(param),
             detail: detail.into(),
+        }
+    }
+
+    /// A query string that does not parse: some parameter is not accepted.
+    pub fn unexpected_query(accepted: &str) -> Self {
+        Self::InvalidQuery {
+            param: None,
+            detail: format!("the accepted query parameters are {accepted}"),
+        }
+    }
+
+    /// The field, query parameter or header at fault.
+    fn param(&self) -> Option<Cow<'static, str>> {
+        match self {
+            Self::Validation { param, .. } => Some(Cow::Borrowed(param)),
+            Self::InvalidQuery { param, .. } => param.map(Cow::Borrowed),
+            Self::MalformedRequest { param, .. } => param.clone().map(Cow::Owned),
+            Self::IdempotencyKey(_) | Self::IdempotencyKeyReused => {
+                Some(Cow::Borrowed("Idempotency-Key"))
+            }
+            Self::UnsupportedMediaType => Some(Cow::Borrowed("Content-Type")),
+            Self::Unauthorized => Some(Cow::Borrowed("Authorization")),
+            Self::InsufficientFunds => Some(Cow::Borrowed("amount_minor")),
+            _ => None,
         }
     }
 
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::IdempotencyKey(_) | Self::MalformedRequest(_) | Self::InvalidQuery(_) => {
+            Self::IdempotencyKey(_) | Self::MalformedRequest { .. } | Self::InvalidQuery { .. } => {
                 StatusCode::BAD_REQUEST
             }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -81,9 +119,9 @@ impl ApiError {
             }
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::RequestInFlight { .. } | Self::IntentCancelled | Self::IntentCompleted { .. } => {
-                StatusCode::CONFLICT
-            }
+            Self::RequestInFlight { .. }
+            | Self::IntentCancelled { .. }
+            | Self::IntentCompleted { .. } => StatusCode::CONFLICT,
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ServiceUnavailable | Self::NotPostedNow(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -98,14 +136,14 @@ impl ApiError {
             Self::IdempotencyKey(_) => "invalid-idempotency-key",
             Self::UnsupportedMediaType => "unsupported-media-type",
             Self::PayloadTooLarge => "payload-too-large",
-            Self::MalformedRequest(_) => "malformed-request",
+            Self::MalformedRequest { .. } => "malformed-request",
             Self::Validation { kind, .. } => kind.slug(),
-            Self::InvalidQuery(_) => "invalid-query",
+            Self::InvalidQuery { .. } => "invalid-query",
             Self::NotFound => "not-found",
             Self::MethodNotAllowed => "method-not-allowed",
             Self::IdempotencyKeyReused => "idempotency-key-reused",
             Self::RequestInFlight { .. } => "request-in-flight",
-            Self::IntentCancelled => "intent-cancelled",
+            Self::IntentCancelled { .. } => "intent-cancelled",
             Self::IntentCompleted { .. } => "intent-completed",
             Self::InsufficientFunds => "insufficient-funds",
             Self::RateLimited { .. } => "rate-limited",
@@ -121,14 +159,14 @@ impl ApiError {
             Self::IdempotencyKey(_) => "Invalid Idempotency-Key",
             Self::UnsupportedMediaType => "Unsupported media type",
             Self::PayloadTooLarge => "Payload too large",
-            Self::MalformedRequest(_) => "Malformed request",
+            Self::MalformedRequest { .. } => "Malformed request",
             Self::Validation { kind, .. } => kind.title(),
-            Self::InvalidQuery(_) => "Invalid query parameter",
+            Self::InvalidQuery { .. } => "Invalid query parameter",
             Self::NotFound => "Not found",
             Self::MethodNotAllowed => "Method not allowed",
             Self::IdempotencyKeyReused => "Idempotency key reused",
             Self::RequestInFlight { .. } => "Request in flight",
-            Self::IntentCancelled => "Intent cancelled",
+            Self::IntentCancelled { .. } => "Intent cancelled",
             Self::IntentCompleted { .. } => "Intent already completed",
             Self::InsufficientFunds => "Insufficient funds",
             Self::RateLimited { .. } => "Too many requests",
@@ -148,8 +186,8 @@ impl ApiError {
             Self::RequestInFlight { .. } => {
                 format!("{self}; retry later with the same key and body to get its result")
             }
-            Self::IntentCancelled => format!(
-                "{self}: no request with this key executes until the cancellation expires; use a new key for a new transfer"
+            Self::IntentCancelled { .. } => format!(
+                "{self}: no request with this key executes within its retention; use a new key for a new transfer"
             ),
             Self::IntentCompleted {
                 transfer_id: Some(id),
@@ -183,11 +221,14 @@ impl ApiError {
 
     /// This error as a problem document.
     pub fn problem(&self) -> Problem {
+        let request_id = match self {
+            Self::IntentCancelled { request_id } => request_id.clone(),
+            _ => None,
+        };
         Problem {
-            slug: self.slug(),
-            title: self.title(),
-            status: self.status(),
-            detail: self.detail(),
+            param: self.param(),
+            request_id,
+            ..Problem::new(self.slug(), self.title(), self.status(), self.detail())
         }
     }
 
@@ -255,6 +296,7 @@ impl From<TransferError> for ApiError {
         match e {
             TransferError::Invalid(invalid) => Self::Validation {
                 kind: invalid.kind,
+                param: invalid.param,
                 detail: invalid.detail,
             },
             TransferError::SourceNotFound => Self::NotFound,
@@ -262,7 +304,7 @@ impl From<TransferError> for ApiError {
             TransferError::InFlight => Self::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,
             },
-            TransferError::Cancelled => Self::IntentCancelled,
+            TransferError::Cancelled { request_id } => Self::IntentCancelled { request_id },
             TransferError::Retryable(reason) => Self::NotPostedNow(reason),
             TransferError::Internal => Self::Internal,
         }
@@ -277,10 +319,8 @@ mod tests {
     fn problem_bodies_carry_type_title_status_and_detail() {
         let body = ApiError::InsufficientFunds.body();
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-        assert_eq!(
-            value["type"],
-            "https://nexo-transfers.example/problems/insufficient-funds"
-        );
+        assert_eq!(value["type"], "/problems/insufficient-funds");
+        assert_eq!(value["param"], "amount_minor");
         assert_eq!(value["status"], 422);
         assert_eq!(value["title"], "Insufficient funds");
         assert!(value["detail"].as_str().is_some_and(|d| !d.is_empty()));

@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::ApiError;
-use super::extract::{PathParam, Principal};
+use super::extract::{PathParam, Principal, RequestIdHeader};
 use crate::idempotency::IdempotencyKey;
 use crate::transfers::intent::ROUTE;
 use crate::transfers::keys::{Cancellation, KeyState};
@@ -121,10 +121,15 @@ pub async fn get(
 pub async fn cancel(
     State(state): State<AppState>,
     principal: Principal,
+    RequestIdHeader(request_id): RequestIdHeader,
     PathParam(raw): PathParam,
 ) -> Result<Json<KeyView>, ApiError> {
     let key = IdempotencyKey::parse(raw.as_bytes())?;
-    match state.transfers.cancel(principal.id, &key).await? {
+    match state
+        .transfers
+        .cancel(principal.id, &key, request_id.as_deref())
+        .await?
+    {
         Cancellation::Cancelled {
             cancelled_at,
             retained_until,

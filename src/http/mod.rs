@@ -8,6 +8,7 @@ pub mod health;
 pub mod keys;
 pub mod operations;
 pub mod paging;
+pub mod problems;
 pub mod rate_limit;
 pub mod transfers;
 
@@ -32,7 +33,7 @@ use crate::config::{HttpConfig, PostingConfig, RateLimitConfig};
 use crate::idempotency::Policy;
 use crate::transfers::Transfers;
 use crate::transfers::posting::Settings;
-use error::ApiError;
+use error::{ApiError, PROBLEM_CONTENT_TYPE};
 
 /// Everything a handler needs, cheap to clone.
 #[derive(Clone)]
@@ -110,6 +111,8 @@ pub fn app(state: AppState) -> Router {
         .route("/openapi.yaml", get(docs::openapi))
         .route("/docs", get(docs::page))
         .route("/docs/{asset}", get(docs::asset))
+        .route("/problems", get(problems::index))
+        .route("/problems/{slug}", get(problems::page))
         .route("/metrics", get(operations::metrics))
         .route("/admin/reconciliation", get(operations::reconciliation))
         .fallback(not_found)
@@ -126,6 +129,7 @@ pub fn app(state: AppState) -> Router {
                 .layer(SetSensitiveRequestHeadersLayer::new([
                     header::AUTHORIZATION,
                 ]))
+                .layer(middleware::from_fn(drop_unacceptable_request_id))
                 .layer(SetRequestIdLayer::new(X_REQUEST_ID, MakeRequestUuid))
                 .layer(
                     TraceLayer::new_for_http()
@@ -133,6 +137,7 @@ pub fn app(state: AppState) -> Router {
                         .on_response(log_response),
                 )
                 .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
+                .layer(middleware::from_fn(problem_request_id))
                 .layer(middleware::from_fn(operations::track)),
         )
         .with_state(state)
@@ -170,6 +175,60 @@ fn log_response(response: &Response, latency: Duration, _span: &tracing::Span) {
         tracing::warn!(status, problem, latency_ms, "response");
     } else {
         tracing::info!(status, problem, latency_ms, "response");
+    }
+}
+
+/// A client's `x-request-id` that is too long or not visible ASCII is
+/// dropped, so `SetRequestIdLayer` generates one: the id goes into logs,
+/// problem documents and key records.
+async fn drop_unacceptable_request_id(mut request: Request, next: Next) -> Response {
+    let mut values = request.headers().get_all(&X_REQUEST_ID).iter();
+    let keep = match (values.next(), values.next()) {
+        (None, _) => true,
+        (Some(value), None) => crate::problem::acceptable_request_id(value.as_bytes()),
+        (Some(_), Some(_)) => false,
+    };
+    if !keep {
+        request.headers_mut().remove(&X_REQUEST_ID);
+    }
+    next.run(request).await
+}
+
+/// The largest problem document `problem_request_id` rewrites; ours are
+/// under 1 KiB.
+pub const PROBLEM_BODY_BYTES_MAX: usize = 16 * 1024;
+
+/// Every problem document carries the `x-request-id` of its request, so a
+/// client can quote it and an operator find the request's log line: added
+/// here, once for every error path (handlers, extractors, fallbacks, the
+/// rate limiter, the request timeout), unless the document already has one.
+async fn problem_request_id(request: Request, next: Next) -> Response {
+    let request_id = request
+        .headers()
+        .get(&X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let response = next.run(request).await;
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes() == PROBLEM_CONTENT_TYPE.as_bytes());
+    let Some(request_id) = request_id.filter(|_| is_problem) else {
+        return response;
+    };
+    let (mut parts, body) = response.into_parts();
+    match axum::body::to_bytes(body, PROBLEM_BODY_BYTES_MAX).await {
+        Ok(bytes) => {
+            parts.headers.remove(header::CONTENT_LENGTH);
+            Response::from_parts(
+                parts,
+                axum::body::Body::from(crate::problem::with_request_id(bytes, &request_id)),
+            )
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "a problem document could not be read");
+            ApiError::Internal.into_response()
+        }
     }
 }
 

@@ -16,9 +16,10 @@ pub fn limit(raw: Option<&str>) -> Result<i64, ApiError> {
             .ok()
             .filter(|n| (1..=PAGE_SIZE_MAX).contains(n))
             .ok_or_else(|| {
-                ApiError::InvalidQuery(format!(
-                    "limit must be an integer from 1 to {PAGE_SIZE_MAX}"
-                ))
+                ApiError::invalid_query(
+                    "limit",
+                    format!("limit must be an integer from 1 to {PAGE_SIZE_MAX}"),
+                )
             }),
     }
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::error::ApiError;
-use super::extract::{PathParam, Principal, StrictJson};
+use super::extract::{PathParam, Principal, RequestIdHeader, StrictJson};
 use super::{AppState, paging};
 use crate::idempotency::{IdempotencyKey, StoredResponse};
 use crate::ledger;
@@ -29,9 +29,13 @@ pub async fn create(
     State(state): State<AppState>,
     principal: Principal,
     key: IdempotencyKey,
+    RequestIdHeader(request_id): RequestIdHeader,
     StrictJson(body): StrictJson<TransferBody>,
 ) -> Result<Response, ApiError> {
-    let answer = state.transfers.create(principal.id, key, &body).await?;
+    let answer = state
+        .transfers
+        .create(principal.id, key, &body, request_id)
+        .await?;
     #[cfg(feature = "failpoints")]
     fail::fail_point!("transfer::before_response");
     Ok(answer_response(answer))
@@ -117,10 +121,8 @@ pub async fn list(
     query: Result<Query<TransfersQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|_| {
-        ApiError::InvalidQuery(
-            "the accepted query parameters are limit, cursor, account, created_after, \
-             created_before and idempotency_key"
-                .to_owned(),
+        ApiError::unexpected_query(
+            "limit, cursor, account, created_after, created_before and idempotency_key",
         )
     })?;
     let limit = paging::limit(query.limit.as_deref())?;
@@ -129,20 +131,30 @@ pub async fn list(
         .as_deref()
         .map(|raw| {
             decode_cursor(raw).ok_or_else(|| {
-                ApiError::InvalidQuery(
-                    "cursor must be a next_cursor value from a previous page".to_owned(),
+                ApiError::invalid_query(
+                    "cursor",
+                    "cursor must be a next_cursor value from a previous page",
                 )
             })
         })
         .transpose()?;
-    let created_after = query.created_after.as_deref().map(instant).transpose()?;
-    let created_before = query.created_before.as_deref().map(instant).transpose()?;
+    let created_after = query
+        .created_after
+        .as_deref()
+        .map(|raw| instant("created_after", raw))
+        .transpose()?;
+    let created_before = query
+        .created_before
+        .as_deref()
+        .map(|raw| instant("created_before", raw))
+        .transpose()?;
     let key = query
         .idempotency_key
         .as_deref()
         .map(|raw| {
-            IdempotencyKey::parse(raw.as_bytes())
-                .map_err(|e| ApiError::InvalidQuery(format!("idempotency_key: {e}")))
+            IdempotencyKey::parse(raw.as_bytes()).map_err(|e| {
+                ApiError::invalid_query("idempotency_key", format!("idempotency_key: {e}"))
+            })
         })
         .transpose()?;
     let pool = &state.transfers.pool;
@@ -173,13 +185,13 @@ pub async fn list(
 }
 
 /// A time filter: RFC 3339 with its offset.
-fn instant(raw: &str) -> Result<DateTime<Utc>, ApiError> {
+fn instant(param: &'static str, raw: &str) -> Result<DateTime<Utc>, ApiError> {
     DateTime::parse_from_rfc3339(raw)
         .map(|at| at.with_timezone(&Utc))
         .map_err(|_| {
-            ApiError::InvalidQuery(
-                "created_after and created_before are RFC 3339 times, e.g. 2026-11-30T12:00:00Z"
-                    .to_owned(),
+            ApiError::invalid_query(
+                param,
+                format!("{param} is an RFC 3339 time, e.g. 2026-11-30T12:00:00Z"),
             )
         })
 }

@@ -117,7 +117,9 @@ pub enum ClaimOutcome {
     /// Another request holds the key and its lease is live.
     InFlight { locked_until: DateTime<Utc> },
     /// The intent was cancelled by its key: nothing may execute under it.
-    Cancelled,
+    /// Carries the id of the request that cancelled it, which its refusal
+    /// names.
+    Cancelled { request_id: Option<String> },
 }
 
 /// A completed key's answer.
@@ -137,6 +139,8 @@ pub struct Outcome {
     pub problem_type: Option<String>,
     /// The transfer the answer is about.
     pub transfer_id: Option<Uuid>,
+    /// The id of the request a refusal answered, which its document names.
+    pub request_id: Option<String>,
 }
 
 /// A claim row can vanish (purged) or change hands between our statements;
@@ -156,6 +160,7 @@ struct ExistingRow {
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
     problem_type: Option<String>,
+    request_id: Option<String>,
     transfer_id: Option<Uuid>,
     updated_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
@@ -183,6 +188,7 @@ impl ExistingRow {
             status,
             problem_type: self.problem_type.clone(),
             transfer_id: self.transfer_id,
+            request_id: self.request_id.clone(),
         }))
     }
 }
@@ -202,6 +208,7 @@ struct ClaimAttempt {
     response_headers: Option<StoredHeaders>,
     response_body: Option<Vec<u8>>,
     problem_type: Option<String>,
+    request_id: Option<String>,
     transfer_id: Option<Uuid>,
     updated_at: Option<DateTime<Utc>>,
     expires_at: Option<DateTime<Utc>>,
@@ -221,6 +228,7 @@ impl ClaimAttempt {
             response_headers: self.response_headers,
             response_body: self.response_body,
             problem_type: self.problem_type,
+            request_id: self.request_id,
             transfer_id: self.transfer_id,
             updated_at: self.updated_at?,
             expires_at: self.expires_at?,
@@ -267,7 +275,7 @@ pub async fn claim(
                         locked_until > now() AS lease_live,
                         idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
                             AS forgotten,
-                        response_status, response_headers, response_body, problem_type,
+                        response_status, response_headers, response_body, problem_type, request_id,
                         transfer_id, updated_at, expires_at, retain_until,
                         compacted_at IS NOT NULL AS compacted
                  FROM idempotency_keys
@@ -306,7 +314,9 @@ pub async fn claim(
         let same_request = row.fingerprint.as_slice() == fingerprint.as_bytes().as_slice();
         if !row.forgotten {
             if row.status == KeyStatus::Cancelled {
-                return Ok(ClaimOutcome::Cancelled);
+                return Ok(ClaimOutcome::Cancelled {
+                    request_id: row.request_id,
+                });
             }
             if !same_request {
                 return Ok(ClaimOutcome::Mismatch);
@@ -372,6 +382,7 @@ async fn take_over(
              response_headers = NULL,
              response_body = NULL,
              problem_type = NULL,
+             request_id = NULL,
              transfer_id = NULL,
              compacted_at = NULL,
              -- A forgotten record starts a new life; a failed or abandoned
@@ -416,7 +427,7 @@ async fn read_row(
                 locked_until > now() AS lease_live,
                 idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
                     AS forgotten,
-                response_status, response_headers, response_body, problem_type,
+                response_status, response_headers, response_body, problem_type, request_id,
                 transfer_id, updated_at, expires_at, retain_until,
                 compacted_at IS NOT NULL AS compacted
          FROM idempotency_keys
@@ -521,6 +532,7 @@ pub async fn cancel(
     key: &IdempotencyKey,
     route: &str,
     transfer_of_key: Option<Uuid>,
+    request_id: Option<&str>,
 ) -> Result<CancelOutcome, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let row: Option<LockedRecord> = sqlx::query_as(
@@ -542,7 +554,7 @@ pub async fn cancel(
         }
         (_, Some(transfer_id)) => CancelOutcome::TransferExists { transfer_id },
         // Never seen, forgotten, FAILED, abandoned, or already a tombstone.
-        _ => tombstone(&mut tx, policy, scope, key, route).await?,
+        _ => tombstone(&mut tx, policy, scope, key, route, request_id).await?,
     };
     tx.commit().await?;
     Ok(outcome)
@@ -557,13 +569,14 @@ async fn tombstone(
     scope: PrincipalId,
     key: &IdempotencyKey,
     route: &str,
+    request_id: Option<&str>,
 ) -> Result<CancelOutcome, sqlx::Error> {
     let written: Option<(DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
         "INSERT INTO idempotency_keys AS k
              (principal_id, idempotency_key, request_method, request_path, fingerprint,
-              status, lock_token, locked_until, expires_at, retain_until)
+              status, lock_token, locked_until, expires_at, retain_until, request_id)
          VALUES ($1, $2, 'POST', $3, $4, 'CANCELLED', $5, now(), now() + make_interval(secs => $6),
-                 now() + make_interval(secs => $7))
+                 now() + make_interval(secs => $7), $8)
          ON CONFLICT (principal_id, idempotency_key) DO UPDATE SET
              status = 'CANCELLED',
              fingerprint = EXCLUDED.fingerprint,
@@ -572,12 +585,16 @@ async fn tombstone(
              response_status = NULL, response_headers = NULL, response_body = NULL,
              problem_type = NULL,
              transfer_id = NULL,
-             -- A live tombstone keeps its time; a forgotten record starts a
-             -- new life.
+             -- A live tombstone keeps its time and the request that wrote
+             -- it; a forgotten record starts a new life.
              updated_at = CASE WHEN k.status = 'CANCELLED'
                                     AND NOT idempotency_key_forgotten(k.status, k.locked_until,
                                                                       k.expires_at, k.retain_until)
                                THEN k.updated_at ELSE now() END,
+             request_id = CASE WHEN k.status = 'CANCELLED'
+                                    AND NOT idempotency_key_forgotten(k.status, k.locked_until,
+                                                                      k.expires_at, k.retain_until)
+                               THEN k.request_id ELSE EXCLUDED.request_id END,
              compacted_at = CASE WHEN idempotency_key_forgotten(k.status, k.locked_until,
                                                                 k.expires_at, k.retain_until)
                                  THEN NULL ELSE k.compacted_at END,
@@ -601,6 +618,7 @@ async fn tombstone(
     .bind(Uuid::new_v4())
     .bind(policy.ttl.as_secs_f64())
     .bind(policy.retention.as_secs_f64())
+    .bind(request_id)
     .fetch_optional(&mut *conn)
     .await?;
     if let Some((cancelled_at, retain_until)) = written {
@@ -633,6 +651,8 @@ pub struct Completing<'a> {
     pub response: &'a StoredResponse,
     /// The slug of a refusal's problem type, kept past compaction.
     pub problem_type: Option<&'a str>,
+    /// The id of the request a refusal answered, kept past compaction.
+    pub request_id: Option<&'a str>,
     pub transfer_id: Option<Uuid>,
 }
 
@@ -648,8 +668,9 @@ pub async fn complete_all(
 ) -> Result<Vec<Uuid>, sqlx::Error> {
     let (mut scopes, mut keys, mut tokens, mut fingerprints) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut statuses, mut headers, mut bodies, mut transfers, mut problem_types) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut statuses, mut headers, mut bodies, mut transfers) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut problem_types, mut request_ids) = (Vec::new(), Vec::new());
     for c in completions {
         scopes.push(c.claim.scope);
         keys.push(c.claim.key.as_str());
@@ -660,6 +681,7 @@ pub async fn complete_all(
         bodies.push(c.response.body.as_ref());
         transfers.push(c.transfer_id);
         problem_types.push(c.problem_type);
+        request_ids.push(c.request_id);
     }
     sqlx::query_scalar(
         "UPDATE idempotency_keys k SET
@@ -670,11 +692,12 @@ pub async fn complete_all(
              response_body = c.body,
              transfer_id = c.transfer_id,
              problem_type = c.problem_type,
+             request_id = c.request_id,
              updated_at = now()
          FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bytea[], $5::int2[], $6::jsonb[],
-                     $7::bytea[], $8::uuid[], $9::text[])
+                     $7::bytea[], $8::uuid[], $9::text[], $10::text[])
               AS c(principal_id, idempotency_key, lock_token, fingerprint, status, headers, body,
-                   transfer_id, problem_type)
+                   transfer_id, problem_type, request_id)
          WHERE k.principal_id = c.principal_id AND k.idempotency_key = c.idempotency_key
            AND k.lock_token = c.lock_token AND k.status = 'IN_PROGRESS'
          RETURNING k.lock_token",
@@ -688,6 +711,7 @@ pub async fn complete_all(
     .bind(&bodies)
     .bind(&transfers)
     .bind(&problem_types)
+    .bind(&request_ids)
     .fetch_all(conn)
     .await
 }

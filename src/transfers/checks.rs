@@ -17,6 +17,7 @@ pub async fn check_against_accounts(
     if !transfers.currencies.contains(intent.currency.as_str()) {
         return Err(Invalid::new(
             ValidationKind::UnsupportedCurrency,
+            "currency",
             format!("{} is not a supported currency", intent.currency),
         )
         .into());
@@ -29,20 +30,32 @@ pub async fn check_against_accounts(
     let to = to.ok_or_else(|| {
         Invalid::new(
             ValidationKind::UnknownDestination,
+            "to",
             format!("destination account {} does not exist", intent.to),
         )
     })?;
-    for (id, account) in [(&intent.from, from), (&intent.to, to)] {
-        if account.currency != intent.currency.as_str() {
-            return Err(Invalid::new(
-                ValidationKind::CurrencyMismatch,
-                format!(
-                    "account {id} holds {}, not {}",
-                    account.currency, intent.currency
-                ),
-            )
-            .into());
-        }
+    if from.currency != intent.currency.as_str() {
+        return Err(Invalid::new(
+            ValidationKind::CurrencyMismatch,
+            "currency",
+            format!(
+                "account {} holds {}, not {}",
+                intent.from, from.currency, intent.currency
+            ),
+        )
+        .into());
+    }
+    // The destination may be someone else's: its currency is not told.
+    if to.currency != intent.currency.as_str() {
+        return Err(Invalid::new(
+            ValidationKind::CurrencyMismatch,
+            "currency",
+            format!(
+                "destination account {} does not hold {}",
+                intent.to, intent.currency
+            ),
+        )
+        .into());
     }
     Ok(())
 }

@@ -62,18 +62,21 @@ impl ValidationKind {
     }
 }
 
-/// A refused request: what is wrong, and the text that says so.
+/// A refused request: what is wrong, the body field at fault, and the
+/// text that says so.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{detail}")]
 pub struct Invalid {
     pub kind: ValidationKind,
+    pub param: &'static str,
     pub detail: String,
 }
 
 impl Invalid {
-    pub fn new(kind: ValidationKind, detail: impl Into<String>) -> Self {
+    pub fn new(kind: ValidationKind, param: &'static str, detail: impl Into<String>) -> Self {
         Self {
             kind,
+            param,
             detail: detail.into(),
         }
     }
@@ -105,20 +108,31 @@ struct CanonicalTransfer<'a> {
 impl TransferIntent {
     /// Parses and validates a body without touching the database.
     pub fn parse(body: &TransferBody) -> Result<Self, Invalid> {
-        let account = |field: &str, value: &str| {
+        let account = |field: &'static str, value: &str| {
             AccountId::parse(value).map_err(|e| {
-                Invalid::new(ValidationKind::InvalidAccountId, format!("{field}: {e}"))
+                Invalid::new(
+                    ValidationKind::InvalidAccountId,
+                    field,
+                    format!("{field}: {e}"),
+                )
             })
         };
         let from = account("from", &body.from)?;
         let to = account("to", &body.to)?;
-        let amount = AmountMinor::parse(body.amount_minor)
-            .map_err(|e| Invalid::new(ValidationKind::InvalidAmount, e.to_string()))?;
-        let currency = Currency::parse(&body.currency)
-            .map_err(|e| Invalid::new(ValidationKind::UnsupportedCurrency, e.to_string()))?;
+        let amount = AmountMinor::parse(body.amount_minor).map_err(|e| {
+            Invalid::new(ValidationKind::InvalidAmount, "amount_minor", e.to_string())
+        })?;
+        let currency = Currency::parse(&body.currency).map_err(|e| {
+            Invalid::new(
+                ValidationKind::UnsupportedCurrency,
+                "currency",
+                e.to_string(),
+            )
+        })?;
         if from == to {
             return Err(Invalid::new(
                 ValidationKind::SameAccount,
+                "to",
                 "from and to must be different accounts",
             ));
         }
@@ -127,7 +141,13 @@ impl TransferIntent {
             .as_deref()
             .map(Description::parse)
             .transpose()
-            .map_err(|e| Invalid::new(ValidationKind::InvalidDescription, e.to_string()))?;
+            .map_err(|e| {
+                Invalid::new(
+                    ValidationKind::InvalidDescription,
+                    "description",
+                    e.to_string(),
+                )
+            })?;
         Ok(Self {
             from,
             to,

@@ -124,12 +124,21 @@ impl Transfers {
         &self,
         principal: PrincipalId,
         key: &IdempotencyKey,
+        request_id: Option<&str>,
     ) -> Result<Cancellation, TransferError> {
         let transfer = ledger::repo::get_transfer_by_key(&self.pool, principal, key.as_str())
             .await?
             .map(|t| t.id);
-        let outcome =
-            store::cancel(&self.pool, self.policy, principal, key, ROUTE, transfer).await?;
+        let outcome = store::cancel(
+            &self.pool,
+            self.policy,
+            principal,
+            key,
+            ROUTE,
+            transfer,
+            request_id,
+        )
+        .await?;
         Ok(match outcome {
             CancelOutcome::Cancelled {
                 cancelled_at,

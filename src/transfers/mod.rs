@@ -86,21 +86,21 @@ impl Rejection {
 
     pub fn problem(self) -> Problem {
         match self {
-            Self::InsufficientFunds => Problem {
-                slug: "insufficient-funds",
-                title: "Insufficient funds",
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                detail: "the source account balance cannot cover this transfer".to_owned(),
-            },
-            Self::KeyReused => Problem {
-                slug: "idempotency-key-reused",
-                title: "Idempotency key reused",
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                detail: "this idempotency key was already used for a different request; use a \
-                         new key for a new transfer, or resend the original body to get the \
-                         original result"
-                    .to_owned(),
-            },
+            Self::InsufficientFunds => Problem::new(
+                "insufficient-funds",
+                "Insufficient funds",
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "the source account balance cannot cover this transfer",
+            )
+            .with_param("amount_minor"),
+            Self::KeyReused => Problem::new(
+                "idempotency-key-reused",
+                "Idempotency key reused",
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "this idempotency key was already used for a different request; use a new key \
+                 for a new transfer, or resend the original body to get the original result",
+            )
+            .with_param("Idempotency-Key"),
         }
     }
 }
@@ -120,9 +120,9 @@ pub enum TransferError {
     /// Another request holds the key.
     #[error("a request with this key is in flight")]
     InFlight,
-    /// The intent was cancelled by its key.
+    /// The intent was cancelled by its key (by the request with this id).
     #[error("the intent was cancelled")]
-    Cancelled,
+    Cancelled { request_id: Option<String> },
     /// Not posted, and safe to send again: the key is free (or was never
     /// claimed). Carries why, for logs and metrics.
     #[error("not posted: {0}")]
@@ -248,15 +248,20 @@ impl Transfers {
     }
 
     /// One transfer intent under its key: refused before the claim, replayed,
-    /// or claimed and posted exactly once.
+    /// or claimed and posted exactly once. `request_id` goes into a refusal
+    /// stored under the key, so its replays name the request that got it.
     pub async fn create(
         self: &Arc<Self>,
         principal: PrincipalId,
         key: IdempotencyKey,
         body: &TransferBody,
+        request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
         let (outcome, result) = match TransferIntent::parse(body) {
-            Ok(intent) => self.create_counted(principal, key, intent).await,
+            Ok(intent) => {
+                self.create_counted(principal, key, intent, request_id)
+                    .await
+            }
             Err(invalid) => (None, Err(invalid.into())),
         };
         if let Some(outcome) = outcome {
@@ -276,6 +281,7 @@ impl Transfers {
         principal: PrincipalId,
         key: IdempotencyKey,
         intent: TransferIntent,
+        request_id: Option<String>,
     ) -> (Option<KeyOutcome>, Result<TransferAnswer, TransferError>) {
         if let Err(e) = checks::check_against_accounts(self, principal, &intent).await {
             return (None, Err(e));
@@ -299,7 +305,7 @@ impl Transfers {
         // owns the key and always ends it.
         let task = tokio::spawn(
             Arc::clone(self)
-                .claim_and_post(principal, key, fingerprint, intent, admission)
+                .claim_and_post(principal, key, fingerprint, intent, admission, request_id)
                 .in_current_span(),
         );
         match task.await {
@@ -318,6 +324,7 @@ impl Transfers {
         fingerprint: Fingerprint,
         intent: TransferIntent,
         admission: Admission,
+        request_id: Option<String>,
     ) -> (Option<KeyOutcome>, Result<TransferAnswer, TransferError>) {
         let claimed = store::claim(
             &self.keys,
@@ -341,11 +348,11 @@ impl Transfers {
             Ok(ClaimOutcome::InFlight { .. }) => {
                 return (Some(KeyOutcome::InFlight), Err(TransferError::InFlight));
             }
-            Ok(ClaimOutcome::Cancelled) => {
+            Ok(ClaimOutcome::Cancelled { request_id }) => {
                 // Like a replay: the refusal promises the intent never
                 // executes, so it waits for the standby to have the tombstone.
                 let refusal = match self.confirm_replicated().await {
-                    Ok(()) => TransferError::Cancelled,
+                    Ok(()) => TransferError::Cancelled { request_id },
                     Err(_) => TransferError::Retryable(RetryReason::NotReplicated),
                 };
                 return (Some(KeyOutcome::Cancelled), Err(refusal));
@@ -363,6 +370,7 @@ impl Transfers {
             claim,
             fingerprint,
             intent,
+            request_id,
         };
         let (lost, result) = self.post_resolved(transfer, admission).await;
         let outcome = match &result {
@@ -500,8 +508,8 @@ impl Transfers {
 
     /// A compacted answer, rebuilt: a transfer's 201 from the transfer
     /// (the same bytes: it renders from the row alone), a refusal from its
-    /// problem type (the same bytes, but for the `request_id`, which is the
-    /// retry's).
+    /// problem type and the id of the request it answered (the same bytes:
+    /// its text is fixed).
     async fn rebuild(&self, outcome: &Outcome) -> Result<StoredResponse, TransferError> {
         if outcome.status.is_success() {
             let id = outcome.transfer_id.ok_or(TransferError::Internal)?;
@@ -518,7 +526,10 @@ impl Transfers {
             .as_deref()
             .and_then(Rejection::from_slug)
         {
-            Some(rejection) => Ok(rejection.problem().to_stored()),
+            Some(rejection) => Ok(rejection
+                .problem()
+                .with_request_id(outcome.request_id.as_deref())
+                .to_stored()),
             None => {
                 tracing::error!(problem_type = ?outcome.problem_type, "a compact key record's refusal is of an unknown type");
                 Err(TransferError::Internal)

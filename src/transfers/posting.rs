@@ -174,6 +174,9 @@ pub struct ClaimedTransfer {
     pub claim: Claim,
     pub fingerprint: Fingerprint,
     pub intent: TransferIntent,
+    /// The `x-request-id` of the request that claimed it, for the refusal
+    /// stored under its key.
+    pub request_id: Option<String>,
 }
 
 impl ClaimedTransfer {
@@ -540,6 +543,9 @@ impl Postings {
                 fingerprint: &s.stored_fingerprint,
                 response: &s.stored,
                 problem_type: s.stored_problem_type,
+                request_id: s
+                    .stored_problem_type
+                    .and(jobs[i].transfer.request_id.as_deref()),
                 transfer_id: s.posted.transfer_id,
             })
             .collect();
@@ -693,7 +699,12 @@ fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
         }
         Settled::KeyUsedByOther(t) => {
             let theirs = Fingerprint::from_bytes(&t.request_fingerprint).unwrap_or(own);
-            let refusal = TransferAnswer::new(Rejection::KeyReused.problem().to_stored());
+            let refusal = TransferAnswer::new(
+                Rejection::KeyReused
+                    .problem()
+                    .with_request_id(transfer.request_id.as_deref())
+                    .to_stored(),
+            );
             (
                 render::created(&t),
                 theirs,
@@ -704,7 +715,10 @@ fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
         }
         Settled::InsufficientFunds => {
             stored_problem_type = Some(Rejection::InsufficientFunds.problem().slug);
-            let stored = Rejection::InsufficientFunds.problem().to_stored();
+            let stored = Rejection::InsufficientFunds
+                .problem()
+                .with_request_id(transfer.request_id.as_deref())
+                .to_stored();
             (
                 stored.clone(),
                 own,

@@ -343,12 +343,18 @@ impl Reply {
         let problem = self.json();
         assert_eq!(
             problem["type"],
-            format!("https://nexo-transfers.example/problems/{slug}"),
+            format!("/problems/{slug}"),
             "problem: {problem}"
         );
         assert_eq!(problem["status"], status);
         assert!(problem["title"].as_str().is_some_and(|t| !t.is_empty()));
         assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()));
+        assert!(
+            problem["request_id"]
+                .as_str()
+                .is_some_and(|id| !id.is_empty()),
+            "every problem names its request: {problem}"
+        );
     }
 }
 
