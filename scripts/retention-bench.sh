@@ -35,8 +35,8 @@ INSERT INTO principals (id, name, token_sha256)
 VALUES ('00000000-0000-4000-8000-000000000001', 'bench', sha256('bench'));
 INSERT INTO idempotency_keys
     (principal_id, idempotency_key, request_method, request_path, fingerprint, status, lock_token,
-     locked_until, response_status, response_headers, response_body, problem_type, transfer_id,
-     created_at, updated_at, expires_at, retain_until)
+     locked_until, response_status, response_headers, response_body, problem_type, request_id,
+     transfer_id, created_at, updated_at, expires_at, retain_until)
 SELECT '00000000-0000-4000-8000-000000000001', gen_random_uuid()::text, 'POST', '/transfers',
        sha256(convert_to(n::text, 'UTF8')), 'COMPLETED', gen_random_uuid(),
        now() - interval '2 days', s.status,
@@ -52,14 +52,16 @@ SELECT '00000000-0000-4000-8000-000000000001', gen_random_uuid()::text, 'POST', 
                              'receipt', json_build_object('receipt_id', 'rcpt_' || replace(t.id::text, '-', ''),
                                                           'debit_entry_id', 2 * n, 'credit_entry_id', 2 * n + 1,
                                                           'issued_at', '2026-11-30T12:00:00.123456Z'))::text
-         ELSE '{"type":"/problems/insufficient-funds","title":"Insufficient funds","status":422,"detail":"the source account balance cannot cover this transfer","param":"amount_minor","request_id":"' || gen_random_uuid() || '"}'
+         ELSE '{"type":"/problems/insufficient-funds","title":"Insufficient funds","status":422,"detail":"the source account balance cannot cover this transfer","param":"amount_minor","request_id":"' || r.id || '"}'
          END, 'UTF8'),
        CASE WHEN s.status = 422 THEN 'insufficient-funds' END,
+       CASE WHEN s.status = 422 THEN r.id::text END,
        CASE WHEN s.status = 201 THEN t.id END,
        now() - interval '3 days', now() - interval '3 days', now() - interval '2 days',
        now() + interval '397 days'
 FROM generate_series(1, :keys) AS n
 CROSS JOIN LATERAL (SELECT gen_random_uuid() AS id) AS t
+CROSS JOIN LATERAL (SELECT gen_random_uuid() AS id) AS r
 CROSS JOIN LATERAL (SELECT CASE WHEN n % 20 = 0 THEN 422 ELSE 201 END AS status) AS s;
 SQL
 

@@ -40,6 +40,8 @@ pub enum Command {
     /// Compact idempotency records past their TTL (their outcome stays),
     /// delete those past their retention, and print how many.
     PurgeExpired {
+        /// Records compacted or deleted per statement: each batch holds its
+        /// row locks for milliseconds.
         #[arg(long, env = "NEXO_PURGE_BATCH_ROWS", default_value_t = store::PURGE_BATCH_ROWS_MAX,
               value_parser = clap::value_parser!(i64).range(1..=100_000))]
         batch_rows: i64,
@@ -50,6 +52,7 @@ pub enum Command {
     Reconcile(ReconcileArgs),
     /// Create a principal and print its bearer token (shown only once).
     CreatePrincipal {
+        /// A unique name, 1 to 64 characters (a service or a team).
         #[arg(long)]
         name: String,
     },
@@ -67,6 +70,7 @@ pub enum Command {
     },
     /// Deposit money into an account from its currency's funding account.
     Deposit {
+        /// The account credited (acc_…).
         #[arg(long)]
         account: String,
         /// Integer amount in the currency's minor unit (cents).
@@ -160,7 +164,20 @@ async fn connect(db: &DbConfig) -> Result<PgPool, String> {
 
 fn print_json(value: &impl serde::Serialize) {
     match serde_json::to_string_pretty(value) {
-        Ok(text) => println!("{text}"),
+        Ok(text) => print_out(&text),
+        Err(e) => eprintln!("error: cannot print the result: {e}"),
+    }
+}
+
+/// Writes a line of a command's output. A reader that went away (`| head`)
+/// is not an error of the command: the rest of the output is dropped and
+/// the command ends with its own exit status. (`println!` would panic.)
+fn print_out(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         Err(e) => eprintln!("error: cannot print the result: {e}"),
     }
 }
@@ -175,16 +192,16 @@ async fn execute(cli: Cli) -> Result<(), String> {
         },
         Command::Migrate => connect(&cli.db)
             .await
-            .map(|_| println!("migrations applied")),
+            .map(|_| print_out("migrations applied")),
         Command::PurgeExpired { batch_rows } => {
             let pool = connect(&cli.db).await?;
             let purged = store::purge_expired(&pool, batch_rows)
                 .await
                 .map_err(|e| format!("purge failed: {e}"))?;
-            println!(
+            print_out(&format!(
                 "compacted {} idempotency records past their TTL, deleted {}",
                 purged.compacted, purged.deleted
-            );
+            ));
             Ok(())
         }
         Command::CreatePrincipal { name } => {
@@ -335,7 +352,7 @@ async fn reconcile_command(db: &DbConfig, args: &ReconcileArgs) -> ExitCode {
     if args.json {
         print_json(&report);
     } else {
-        println!("{report}");
+        print_out(&report.to_string());
     }
     if report.ok {
         ExitCode::SUCCESS

@@ -11,7 +11,9 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@localhost:5
 /// Database connection settings, shared by every command.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DbConfig {
-    /// PostgreSQL URL; the database is created if it does not exist.
+    /// PostgreSQL URL (postgres:// or postgresql://; several hosts as
+    /// host1:port1,host2:port2 follow the primary; sslmode and sslrootcert
+    /// as libpq). Only `serve` and `migrate` create a missing database.
     #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL, global = true, hide_env_values = true)]
     pub database_url: String,
     /// Most connections the pool opens. Measured on 2 cores: throughput falls
@@ -213,7 +215,7 @@ pub struct OperationsConfig {
     /// How often `serve` reconciles the whole ledger; `0s` (the default)
     /// turns it off. Each run reads every transfer and entry (5 to 11 s per
     /// million transfers on 2 busy cores, see docs/operations.md), so enable it on one
-    /// instance only, at most every RECONCILE_INTERVAL_MIN.
+    /// instance only, at most once a minute.
     #[arg(long, env = "NEXO_RECONCILE_INTERVAL", default_value = "0s", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
     /// Bearer token for `GET /admin/reconciliation`; unset turns the admin

@@ -257,8 +257,8 @@ fn body_cases() -> Vec<Case<'static>> {
             "unknown-destination",
         ),
         (
-            "lower-case currency",
-            with("currency", json!("usd")),
+            "a digit in the currency",
+            with("currency", json!("U5D")),
             "unsupported-currency",
         ),
         (

@@ -227,11 +227,6 @@ async fn rejected_requests_leave_the_key_free_for_a_corrected_retry(pool: PgPool
             "unsupported-currency",
         ),
         (
-            transfer(A_USD, B_USD, AMOUNT, "usd").to_string(),
-            422,
-            "unsupported-currency",
-        ),
-        (
             transfer(A_USD, B_USD, AMOUNT, "EUR").to_string(),
             422,
             "currency-mismatch",
@@ -533,6 +528,28 @@ async fn keys_are_scoped_to_their_principal(pool: PgPool) {
     assert_ne!(from_a.json()["transfer_id"], from_b.json()["transfer_id"]);
     assert_eq!(key_rows(&app.pool, &key).await.len(), 2);
     assert_eq!(app.balance(B_USD).await, 1_000_000 + AMOUNT - 300);
+    assert_ledger_consistent(&app.pool).await;
+}
+
+/// `usd` is `USD`: accepted, answered in the canonical spelling, and the
+/// same intent, so a retry that changed only the case is a replay, not a
+/// reused key.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_currency_in_any_case_is_the_same_intent(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let key = new_key();
+    let lower = app
+        .post_transfer(TOKEN_A, &key, &transfer(A_USD, B_USD, AMOUNT, "usd"))
+        .await;
+    assert_eq!(lower.status, 201, "{:?}", lower.body);
+    assert_eq!(lower.json()["currency"], "USD");
+    let upper = app
+        .post_transfer(TOKEN_A, &key, &transfer(A_USD, B_USD, AMOUNT, "USD"))
+        .await;
+    assert_eq!((upper.status, &upper.body), (201, &lower.body));
+    assert!(upper.replayed());
+    assert_eq!(customer_transfer_count(&app.pool).await, 1);
+    assert_eq!(app.balance(B_USD).await, AMOUNT);
     assert_ledger_consistent(&app.pool).await;
 }
 

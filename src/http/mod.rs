@@ -109,6 +109,7 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.yaml", get(docs::openapi))
+        .route("/", get(docs::root))
         .route("/docs", get(docs::page))
         .route("/docs/{asset}", get(docs::asset))
         .route("/problems", get(problems::index))
@@ -171,11 +172,10 @@ fn log_response(response: &Response, latency: Duration, _span: &tracing::Span) {
         .map(|p| p.0);
     let status = response.status().as_u16();
     let latency_ms = latency.as_secs_f64() * 1000.0;
-    if response.status().is_server_error() {
-        tracing::warn!(status, problem, latency_ms, "response");
-    } else {
-        tracing::info!(status, problem, latency_ms, "response");
-    }
+    // One access line per request, at INFO whatever the status: a failure's
+    // cause is logged once, at WARN or ERROR, where it is known (a database
+    // error, a posting bound, a timeout), not a second time here.
+    tracing::info!(status, problem, latency_ms, "response");
 }
 
 /// A client's `x-request-id` that is too long or not visible ASCII is
@@ -237,7 +237,13 @@ async fn problem_request_id(request: Request, next: Next) -> Response {
 async fn request_timeout(State(limit): State<Duration>, request: Request, next: Next) -> Response {
     match tokio::time::timeout(limit, next.run(request)).await {
         Ok(response) => response,
-        Err(_) => ApiError::ServiceUnavailable.into_response(),
+        Err(_) => {
+            tracing::warn!(
+                limit_ms = limit.as_millis(),
+                "request timed out (NEXO_REQUEST_TIMEOUT)"
+            );
+            ApiError::ServiceUnavailable.into_response()
+        }
     }
 }
 

@@ -44,19 +44,21 @@ impl AmountMinor {
     }
 }
 
-/// An ISO 4217 alphabetic code, syntactically valid. Whether the ledger
-/// supports it is a question for the `currencies` table.
+/// An ISO 4217 alphabetic code, syntactically valid, in its canonical upper
+/// case: clients may send `usd` (Stripe's spelling), and it is the same
+/// currency, so the same intent and fingerprint. Whether the ledger supports
+/// it is a question for the `currencies` table.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Currency(String);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("currency must be an ISO 4217 code of three upper-case letters")]
+#[error("currency must be an ISO 4217 code of three letters")]
 pub struct CurrencyError;
 
 impl Currency {
     pub fn parse(value: &str) -> Result<Self, CurrencyError> {
-        if value.len() == 3 && value.bytes().all(|b| b.is_ascii_uppercase()) {
-            Ok(Self(value.to_owned()))
+        if value.len() == 3 && value.bytes().all(|b| b.is_ascii_alphabetic()) {
+            Ok(Self(value.to_ascii_uppercase()))
         } else {
             Err(CurrencyError)
         }
@@ -163,9 +165,14 @@ mod tests {
     }
 
     #[test]
-    fn currencies_are_three_upper_case_letters() {
-        assert!(Currency::parse("USD").is_ok());
-        for bad in ["usd", "US", "USDD", "U5D", "", "ÜSD"] {
+    fn currencies_are_three_letters_in_upper_case() {
+        for spelling in ["USD", "usd", "uSd"] {
+            assert_eq!(
+                Currency::parse(spelling).map(|c| c.to_string()),
+                Ok("USD".to_owned())
+            );
+        }
+        for bad in ["US", "USDD", "U5D", "", "ÜSD", "US "] {
             assert!(Currency::parse(bad).is_err(), "{bad} should be rejected");
         }
     }
