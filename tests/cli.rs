@@ -151,3 +151,51 @@ fn nix_kill(pid: u32, signal: &str) {
         .unwrap();
     assert!(status.success());
 }
+
+/// `reconcile --json | head -0`: the reader is gone before the report is
+/// written; the command still ends with its own exit status, not a panic.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_closed_pipe_ends_a_command_with_its_own_status(pool: PgPool) {
+    let url = database_url_for(&pool);
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["reconcile", "--json"])
+        .env("DATABASE_URL", &url)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closing the read end before the command has connected to the
+    // database: every write it makes meets a closed pipe.
+    drop(child.stdout.take());
+    let output = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Logs written to a pipe or a file carry no colour codes, and the default
+/// level shows the service's own events, not its dependencies' INFO
+/// chatter (sqlx's notice that `_sqlx_migrations` exists).
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn logs_to_a_pipe_are_plain_and_quiet(pool: PgPool) {
+    let url = database_url_for(&pool);
+    for no_color in [None, Some("1")] {
+        let mut command = tokio::process::Command::new(BIN);
+        command
+            .args(["migrate"])
+            .env("DATABASE_URL", &url)
+            .env_remove("RUST_LOG");
+        if let Some(value) = no_color {
+            command.env("NO_COLOR", value);
+        }
+        let output = command.output().await.unwrap();
+        assert_eq!(output.status.code(), Some(0));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains('\u{1b}'), "colour codes in {stderr:?}");
+        assert!(!stderr.contains("_sqlx_migrations"), "{stderr}");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout).trim(),
+            "migrations applied"
+        );
+    }
+}
