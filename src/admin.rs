@@ -34,8 +34,14 @@ pub enum AdminError {
     InvalidAmount(String),
     #[error("reference {0:?} was already used for a different deposit")]
     ReferenceReused(String),
-    #[error("principal {name:?} exists with a different token")]
+    #[error("principal {name:?} exists, and this token is not one of its live tokens")]
     TokenMismatch { name: String },
+    #[error("token labels are 1 to 64 visible ASCII characters")]
+    InvalidTokenLabel,
+    #[error("the principal already has a live token labelled {0:?}; choose another label")]
+    TokenLabelTaken(String),
+    #[error("principal {principal:?} has no live token labelled {label:?}")]
+    UnknownToken { principal: String, label: String },
     #[error("{0}")]
     Ledger(String),
     #[error("database error: {0}")]
@@ -56,27 +62,197 @@ impl From<LedgerError> for AdminError {
 pub struct NewPrincipal {
     pub principal_id: PrincipalId,
     pub name: String,
+    pub token_id: Uuid,
+    pub token_label: String,
     pub token: String,
 }
 
+/// The label of the token a principal is created with.
+pub const INITIAL_TOKEN_LABEL: &str = "initial";
+
+/// Creates a principal with one token labelled [`INITIAL_TOKEN_LABEL`], in
+/// one transaction: a principal never exists without a way in.
 pub async fn create_principal(pool: &PgPool, name: &str) -> Result<NewPrincipal, AdminError> {
     check_principal_name(name)?;
-    let token = auth::generate_token();
+    let mut tx = pool.begin().await?;
     let id: Option<PrincipalId> = sqlx::query_scalar(
-        "INSERT INTO principals (id, name, token_sha256) VALUES ($1, $2, $3)
+        "INSERT INTO principals (id, name) VALUES ($1, $2)
          ON CONFLICT (name) DO NOTHING RETURNING id",
     )
     .bind(Uuid::now_v7())
     .bind(name)
-    .bind(auth::token_sha256(&token).as_slice())
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await?;
     let principal_id = id.ok_or_else(|| AdminError::PrincipalExists(name.to_owned()))?;
+    let token = auth::generate_token();
+    let token_id = insert_token(&mut tx, principal_id, INITIAL_TOKEN_LABEL, &token).await?;
+    tx.commit().await?;
     Ok(NewPrincipal {
         principal_id,
         name: name.to_owned(),
+        token_id,
+        token_label: INITIAL_TOKEN_LABEL.to_owned(),
         token,
     })
+}
+
+async fn insert_token(
+    conn: &mut sqlx::PgConnection,
+    principal_id: PrincipalId,
+    label: &str,
+    token: &str,
+) -> Result<Uuid, AdminError> {
+    let id: Option<Uuid> = sqlx::query_scalar(
+        "INSERT INTO principal_tokens (id, principal_id, label, token_sha256)
+         VALUES ($1, $2, $3, $4)
+         ON CONFLICT (principal_id, label) WHERE revoked_at IS NULL DO NOTHING
+         RETURNING id",
+    )
+    .bind(Uuid::now_v7())
+    .bind(principal_id)
+    .bind(label)
+    .bind(auth::token_sha256(token).as_slice())
+    .fetch_optional(conn)
+    .await?;
+    id.ok_or_else(|| AdminError::TokenLabelTaken(label.to_owned()))
+}
+
+/// Token labels: 1 to 64 visible ASCII characters (`ci-2026-11`, `laptop`).
+fn check_token_label(label: &str) -> Result<(), AdminError> {
+    if (1..=64).contains(&label.len()) && label.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(())
+    } else {
+        Err(AdminError::InvalidTokenLabel)
+    }
+}
+
+/// A token added to a principal, shown once.
+#[derive(Debug, Serialize)]
+pub struct NewToken {
+    pub principal: String,
+    pub token_id: Uuid,
+    pub label: String,
+    pub token: String,
+}
+
+/// Adds a token to a principal, its other tokens untouched: the first step
+/// of a rotation (create, deploy, then revoke the old one).
+pub async fn create_token(
+    pool: &PgPool,
+    principal: &str,
+    label: &str,
+) -> Result<NewToken, AdminError> {
+    check_token_label(label)?;
+    let principal_id = principal_id_by_name(pool, principal).await?;
+    let token = auth::generate_token();
+    let mut conn = pool.acquire().await?;
+    let token_id = insert_token(&mut conn, principal_id, label, &token).await?;
+    Ok(NewToken {
+        principal: principal.to_owned(),
+        token_id,
+        label: label.to_owned(),
+        token,
+    })
+}
+
+/// A token as operators see it: never the token itself.
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct TokenInfo {
+    pub token_id: Uuid,
+    pub label: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub last_used_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Revokes a principal's live token by its label. It stops authenticating
+/// at once on new lookups, and within `caches::PRINCIPAL_CACHE_TTL` on an
+/// instance that remembers it. Revoking twice is an error naming the label:
+/// the operator learns the token was not live.
+pub async fn revoke_token(
+    pool: &PgPool,
+    principal: &str,
+    label: &str,
+) -> Result<TokenInfo, AdminError> {
+    let principal_id = principal_id_by_name(pool, principal).await?;
+    sqlx::query_as(
+        "UPDATE principal_tokens SET revoked_at = now()
+         WHERE principal_id = $1 AND label = $2 AND revoked_at IS NULL
+         RETURNING id AS token_id, label, created_at, last_used_at, revoked_at",
+    )
+    .bind(principal_id)
+    .bind(label)
+    .fetch_optional(pool)
+    .await?
+    .ok_or_else(|| AdminError::UnknownToken {
+        principal: principal.to_owned(),
+        label: label.to_owned(),
+    })
+}
+
+/// A principal's tokens, live and revoked, oldest first.
+pub async fn list_tokens(pool: &PgPool, principal: &str) -> Result<Vec<TokenInfo>, AdminError> {
+    let principal_id = principal_id_by_name(pool, principal).await?;
+    Ok(sqlx::query_as(
+        "SELECT id AS token_id, label, created_at, last_used_at, revoked_at
+         FROM principal_tokens WHERE principal_id = $1 ORDER BY created_at, id",
+    )
+    .bind(principal_id)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A principal as operators see it.
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct PrincipalInfo {
+    pub principal_id: PrincipalId,
+    pub name: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub live_tokens: i64,
+    pub accounts: i64,
+}
+
+/// The most principals `list-principals` prints: bounds its output and its
+/// query.
+pub const PRINCIPALS_LISTED_MAX: i64 = 1_000;
+
+pub async fn list_principals(pool: &PgPool) -> Result<Vec<PrincipalInfo>, AdminError> {
+    Ok(sqlx::query_as(
+        "SELECT p.id AS principal_id, p.name, p.created_at,
+                (SELECT count(*) FROM principal_tokens t
+                 WHERE t.principal_id = p.id AND t.revoked_at IS NULL) AS live_tokens,
+                (SELECT count(*) FROM accounts a WHERE a.principal_id = p.id) AS accounts
+         FROM principals p ORDER BY p.name LIMIT $1",
+    )
+    .bind(PRINCIPALS_LISTED_MAX)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// An account as operators see it: owner, balance and its ledger activity.
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub struct AccountInfo {
+    pub account_id: String,
+    pub owner: Option<String>,
+    pub currency: String,
+    pub balance_minor: i64,
+    pub entries: i64,
+    pub last_entry_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+pub async fn show_account(pool: &PgPool, account: &str) -> Result<AccountInfo, AdminError> {
+    sqlx::query_as(
+        "SELECT a.id AS account_id, p.name AS owner, a.currency, a.balance_minor,
+                (SELECT count(*) FROM ledger_entries e WHERE e.account_id = a.id) AS entries,
+                (SELECT max(created_at) FROM ledger_entries e WHERE e.account_id = a.id)
+                    AS last_entry_at
+         FROM accounts a LEFT JOIN principals p ON p.id = a.principal_id
+         WHERE a.id = $1",
+    )
+    .bind(account)
+    .fetch_optional(pool)
+    .await?
+    .ok_or_else(|| AdminError::UnknownAccount(account.to_owned()))
 }
 
 fn check_principal_name(name: &str) -> Result<(), AdminError> {
@@ -96,25 +272,42 @@ pub async fn ensure_principal(
 ) -> Result<PrincipalId, AdminError> {
     check_principal_name(name)?;
     let hash = auth::token_sha256(token);
+    let mut tx = pool.begin().await?;
+    sqlx::query("INSERT INTO principals (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+        .bind(Uuid::now_v7())
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+    let id: PrincipalId = sqlx::query_scalar("SELECT id FROM principals WHERE name = $1")
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+    // The fixture token, unless it is already this principal's; a token
+    // that is another principal's (or revoked) is refused below.
     sqlx::query(
-        "INSERT INTO principals (id, name, token_sha256) VALUES ($1, $2, $3)
-         ON CONFLICT (name) DO NOTHING",
+        "INSERT INTO principal_tokens (id, principal_id, label, token_sha256)
+         VALUES ($1, $2, 'fixture', $3)
+         ON CONFLICT DO NOTHING",
     )
     .bind(Uuid::now_v7())
-    .bind(name)
+    .bind(id)
     .bind(hash.as_slice())
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
-    let (id, stored): (PrincipalId, Vec<u8>) =
-        sqlx::query_as("SELECT id, token_sha256 FROM principals WHERE name = $1")
-            .bind(name)
-            .fetch_one(pool)
-            .await?;
-    if stored.as_slice() != hash.as_slice() {
+    let live: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM principal_tokens
+                        WHERE principal_id = $1 AND token_sha256 = $2 AND revoked_at IS NULL)",
+    )
+    .bind(id)
+    .bind(hash.as_slice())
+    .fetch_one(&mut *tx)
+    .await?;
+    if !live {
         return Err(AdminError::TokenMismatch {
             name: name.to_owned(),
         });
     }
+    tx.commit().await?;
     Ok(id)
 }
 

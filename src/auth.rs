@@ -1,5 +1,7 @@
 //! Bearer tokens: how they are made, stored (only as SHA-256) and looked up.
 
+use std::time::Duration;
+
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 use sqlx::PgExecutor;
@@ -35,18 +37,36 @@ pub fn generate_token() -> String {
     format!("{TOKEN_PREFIX}{}", hex::encode(bytes))
 }
 
-/// Finds the principal a token belongs to. The lookup is by the token's
-/// SHA-256, through a unique index: the comparison happens on a digest the
-/// caller cannot steer byte by byte, so its timing tells nothing about
-/// stored tokens.
+/// How stale a token's `last_used_at` may be: it is written at most this
+/// often per token and instance, so authentication stays a read.
+pub const LAST_USED_RESOLUTION: Duration = Duration::from_secs(60);
+
+/// Finds the principal a live (not revoked) token belongs to, and notes the
+/// use when the last one noted is older than [`LAST_USED_RESOLUTION`]. The
+/// lookup is by the token's SHA-256, through a unique index: the comparison
+/// happens on a digest the caller cannot steer byte by byte, so its timing
+/// tells nothing about stored tokens.
 pub async fn principal_for_token<'e>(
     executor: impl PgExecutor<'e>,
     token: &str,
 ) -> Result<Option<PrincipalId>, sqlx::Error> {
-    sqlx::query_scalar("SELECT id FROM principals WHERE token_sha256 = $1")
-        .bind(token_sha256(token).as_slice())
-        .fetch_optional(executor)
-        .await
+    sqlx::query_scalar(
+        "WITH live AS (
+             SELECT id, principal_id, last_used_at FROM principal_tokens
+             WHERE token_sha256 = $1 AND revoked_at IS NULL
+         ), noted AS (
+             UPDATE principal_tokens t SET last_used_at = now()
+             FROM live
+             WHERE t.id = live.id
+               AND (live.last_used_at IS NULL
+                    OR live.last_used_at < now() - make_interval(secs => $2))
+         )
+         SELECT principal_id FROM live",
+    )
+    .bind(token_sha256(token).as_slice())
+    .bind(LAST_USED_RESOLUTION.as_secs_f64())
+    .fetch_optional(executor)
+    .await
 }
 
 #[cfg(test)]

@@ -56,6 +56,42 @@ pub enum Command {
         #[arg(long)]
         name: String,
     },
+    /// Add a bearer token to a principal and print it (shown only once). A
+    /// rotation is create-token, deploy the new token, revoke-token.
+    CreateToken {
+        /// The principal's name.
+        #[arg(long)]
+        principal: String,
+        /// A name for the token among the principal's live ones (1 to 64
+        /// visible ASCII characters), e.g. where it is deployed.
+        #[arg(long)]
+        label: String,
+    },
+    /// Revoke a principal's live token by its label. Instances stop
+    /// accepting it within 10 seconds (their in-memory cache of tokens).
+    RevokeToken {
+        /// The principal's name.
+        #[arg(long)]
+        principal: String,
+        /// The label of the live token to revoke.
+        #[arg(long)]
+        label: String,
+    },
+    /// List a principal's tokens, live and revoked (never the tokens
+    /// themselves), with when each was created, last used and revoked.
+    ListTokens {
+        /// The principal's name.
+        #[arg(long)]
+        principal: String,
+    },
+    /// List principals (at most 1,000) with their live tokens and accounts.
+    ListPrincipals,
+    /// Show an account: owner, currency, balance and ledger activity.
+    ShowAccount {
+        /// The account id (acc_… or sys_…).
+        #[arg(long)]
+        account: String,
+    },
     /// Open an account for a principal in a currency.
     OpenAccount {
         /// The owning principal's name.
@@ -211,6 +247,51 @@ async fn execute(cli: Cli) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             print_json(&created);
             eprintln!("store the token now: only its SHA-256 is kept, it cannot be shown again");
+            Ok(())
+        }
+        Command::CreateToken { principal, label } => {
+            let pool = connect(&cli.db).await?;
+            let created = admin::create_token(&pool, &principal, &label)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&created);
+            eprintln!("store the token now: only its SHA-256 is kept, it cannot be shown again");
+            Ok(())
+        }
+        Command::RevokeToken { principal, label } => {
+            let pool = connect(&cli.db).await?;
+            let revoked = admin::revoke_token(&pool, &principal, &label)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&revoked);
+            eprintln!(
+                "revoked: instances stop accepting it within {} s",
+                crate::caches::PRINCIPAL_CACHE_TTL.as_secs()
+            );
+            Ok(())
+        }
+        Command::ListTokens { principal } => {
+            let pool = connect(&cli.db).await?;
+            let tokens = admin::list_tokens(&pool, &principal)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&tokens);
+            Ok(())
+        }
+        Command::ListPrincipals => {
+            let pool = connect(&cli.db).await?;
+            let principals = admin::list_principals(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&principals);
+            Ok(())
+        }
+        Command::ShowAccount { account } => {
+            let pool = connect(&cli.db).await?;
+            let info = admin::show_account(&pool, &account)
+                .await
+                .map_err(|e| e.to_string())?;
+            print_json(&info);
             Ok(())
         }
         Command::OpenAccount {

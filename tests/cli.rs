@@ -18,11 +18,13 @@ async fn operators_onboard_a_principal_open_an_account_and_deposit_once(pool: Pg
     assert_eq!(code, 0);
     let created: Value = serde_json::from_str(&out).unwrap();
     let token = created["token"].as_str().unwrap().to_owned();
-    let stored: Vec<u8> =
-        sqlx::query_scalar("SELECT token_sha256 FROM principals WHERE name = 'acme'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let stored: Vec<u8> = sqlx::query_scalar(
+        "SELECT t.token_sha256 FROM principal_tokens t JOIN principals p ON p.id = t.principal_id
+         WHERE p.name = 'acme'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     assert_eq!(stored.len(), 32, "only the hash is stored");
     assert_ne!(stored, token.as_bytes());
 

@@ -67,9 +67,10 @@ async fn tokens_are_stored_only_as_hashes(pool: PgPool) {
         .unwrap();
     for token in [TOKEN_A, TOKEN_B, created.token.as_str()] {
         let (hashed, plain): (i64, i64) = sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE token_sha256 = sha256(convert_to($1, 'UTF8'))),
-                    count(*) FILTER (WHERE p::text LIKE '%' || $1 || '%')
-             FROM principals p",
+            "SELECT count(*) FILTER (WHERE t.token_sha256 = sha256(convert_to($1, 'UTF8'))),
+                    count(*) FILTER (WHERE t::text LIKE '%' || $1 || '%'
+                                        OR p::text LIKE '%' || $1 || '%')
+             FROM principal_tokens t JOIN principals p ON p.id = t.principal_id",
         )
         .bind(token)
         .fetch_one(&pool)
