@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::admin;
 use crate::config::{DbConfig, ServeConfig};
-use crate::db;
+use crate::db::{self, MissingDatabase};
 use crate::http::operations::Operations;
 use crate::http::{self, AppConfig, AppState};
 use crate::idempotency::store;
@@ -188,10 +188,11 @@ pub async fn run(cli: Cli) -> ExitCode {
     }
 }
 
-async fn connect(db: &DbConfig) -> Result<PgPool, String> {
-    let pool = db::connect(db)
-        .await
-        .map_err(|e| format!("cannot connect to the database (DATABASE_URL): {e}"))?;
+/// Connects and migrates. Only `serve` and `migrate` pass
+/// `MissingDatabase::Create`: any other command on a missing database is a
+/// mistake in `DATABASE_URL`, not a database to make.
+async fn connect(db: &DbConfig, missing: MissingDatabase) -> Result<PgPool, String> {
+    let pool = db::connect(db, missing).await.map_err(|e| e.to_string())?;
     db::migrate(&pool)
         .await
         .map_err(|e| format!("cannot apply migrations: {e}"))?;
@@ -226,11 +227,11 @@ async fn execute(cli: Cli) -> Result<(), String> {
             code if code == ExitCode::SUCCESS => Ok(()),
             _ => Err("reconciliation did not pass".to_owned()),
         },
-        Command::Migrate => connect(&cli.db)
+        Command::Migrate => connect(&cli.db, MissingDatabase::Create)
             .await
             .map(|_| print_out("migrations applied")),
         Command::PurgeExpired { batch_rows } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let purged = store::purge_expired(&pool, batch_rows)
                 .await
                 .map_err(|e| format!("purge failed: {e}"))?;
@@ -241,7 +242,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::CreatePrincipal { name } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let created = admin::create_principal(&pool, &name)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -250,7 +251,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::CreateToken { principal, label } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let created = admin::create_token(&pool, &principal, &label)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -259,7 +260,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::RevokeToken { principal, label } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let revoked = admin::revoke_token(&pool, &principal, &label)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -271,7 +272,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::ListTokens { principal } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let tokens = admin::list_tokens(&pool, &principal)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -279,7 +280,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::ListPrincipals => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let principals = admin::list_principals(&pool)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -287,7 +288,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::ShowAccount { account } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let info = admin::show_account(&pool, &account)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -299,7 +300,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             currency,
             id,
         } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let account = admin::open_account(&pool, &owner, &currency, id.as_deref())
                 .await
                 .map_err(|e| e.to_string())?;
@@ -315,7 +316,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
             amount_minor,
             reference,
         } => {
-            let pool = connect(&cli.db).await?;
+            let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let reference = reference.unwrap_or_else(|| format!("dep_{}", Uuid::new_v4()));
             let deposit = admin::deposit(&pool, &account, amount_minor, &reference)
                 .await
@@ -329,7 +330,12 @@ async fn execute(cli: Cli) -> Result<(), String> {
 async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let policy = config.idempotency.policy()?;
     let posting = config.posting.validated()?;
-    let pool = connect(db).await?;
+    // The port first: when it is taken, nothing else (creating the
+    // database, migrating, loading the demo) should have happened.
+    let listener = tokio::net::TcpListener::bind(&config.bind)
+        .await
+        .map_err(|e| format!("cannot listen on {} (NEXO_BIND): {e}", config.bind))?;
+    let pool = connect(db, MissingDatabase::Create).await?;
     if config.demo {
         admin::load_demo(&pool)
             .await
@@ -356,9 +362,6 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     .map_err(|e| format!("cannot read the supported currencies: {e}"))?
     .with_operations(operations)
     .with_rate_limit(config.rate_limit);
-    let listener = tokio::net::TcpListener::bind(config.bind)
-        .await
-        .map_err(|e| format!("cannot listen on {} (NEXO_BIND): {e}", config.bind))?;
     let purge = (!config.purge.purge_interval.is_zero()).then(|| {
         tokio::spawn(purge_periodically(
             pool.clone(),
@@ -385,8 +388,10 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     };
     // The bound address, not the configured one: with port 0 the kernel
     // picks the port, and whoever started the process reads it here.
-    let addr = listener.local_addr().unwrap_or(config.bind);
-    tracing::info!(%addr, "listening");
+    match listener.local_addr() {
+        Ok(addr) => tracing::info!(%addr, "listening"),
+        Err(_) => tracing::info!(bind = %config.bind, "listening"),
+    }
     let served = http::serve(listener, state, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"));
@@ -415,7 +420,10 @@ async fn reconcile_command(db: &DbConfig, args: &ReconcileArgs) -> ExitCode {
     let pool = match reconcile::connect(&db.database_url, db.db_acquire_timeout, true).await {
         Ok(pool) => pool,
         Err(e) => {
-            eprintln!("error: cannot connect to the database (DATABASE_URL): {e}");
+            eprintln!(
+                "error: cannot connect to database {}: {e}",
+                db::describe_database_url(&db.database_url)
+            );
             return ExitCode::from(COULD_NOT_RUN);
         }
     };

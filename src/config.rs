@@ -1,7 +1,6 @@
 //! Settings, from flags with environment fallbacks. Every limit is named,
 //! has a default that is safe for production and says why.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::idempotency::Policy;
@@ -244,9 +243,11 @@ impl OperationsConfig {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeConfig {
-    /// Address to listen on.
+    /// Address to listen on: host:port, the host a name (localhost) or an
+    /// address (0.0.0.0, [::1]). Bound before anything else is done, so a
+    /// port in use is reported first.
     #[arg(long, env = "NEXO_BIND", default_value = "127.0.0.1:8080")]
-    pub bind: SocketAddr,
+    pub bind: String,
     /// Load the synthetic demo principals and accounts (tokens tok_test_A
     /// and tok_test_B). Never in production.
     #[arg(long)]

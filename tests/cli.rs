@@ -115,11 +115,12 @@ async fn a_bad_setting_is_a_one_line_error_naming_it(pool: PgPool) {
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn demo_fixtures_load_idempotently_and_the_server_stops_gracefully(pool: PgPool) {
     let url = database_url_for(&pool);
-    for _ in 0..2 {
+    // The second start binds by host name.
+    for host in ["127.0.0.1", "localhost"] {
         let port = free_port();
         let base = format!("http://127.0.0.1:{port}");
         let mut child = tokio::process::Command::new(BIN)
-            .args(["serve", "--demo", "--bind", &format!("127.0.0.1:{port}")])
+            .args(["serve", "--demo", "--bind", &format!("{host}:{port}")])
             .env("DATABASE_URL", &url)
             .env("RUST_LOG", "warn")
             .stderr(std::process::Stdio::piped())
@@ -199,5 +200,97 @@ async fn logs_to_a_pipe_are_plain_and_quiet(pool: PgPool) {
             String::from_utf8_lossy(&output.stdout).trim(),
             "migrations applied"
         );
+    }
+}
+
+async fn database_exists(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A typo in DATABASE_URL is an error naming the database, host and port,
+/// never a new, empty database that a command then writes to; only `serve`
+/// and `migrate` create one, and say so. A URL that is not PostgreSQL's, or
+/// a server that is not there, is named as such, in one line.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn only_serve_and_migrate_create_a_database_and_errors_name_what_was_tried(pool: PgPool) {
+    let url = database_url_for(&pool);
+    let typo = format!("nexo_typo_{}", uuid::Uuid::new_v4().simple());
+    let (server, _) = url.rsplit_once('/').unwrap();
+    let typo_url = format!("{server}/{typo}");
+
+    for args in [
+        vec!["create-principal", "--name", "acme"],
+        vec!["open-account", "--owner", "acme", "--currency", "USD"],
+        vec!["deposit", "--account", "acc_00001", "--amount-minor", "1"],
+        vec!["purge-expired"],
+        vec!["list-principals"],
+        vec!["reconcile"],
+    ] {
+        let (code, _, err) = run_cli(&typo_url, &args).await;
+        assert_ne!(code, 0, "{args:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(&typo), "{args:?} names the database: {err}");
+        assert!(
+            err.contains("localhost:5432") || err.contains("127.0.0.1:5432"),
+            "{err}"
+        );
+        assert!(!database_exists(&pool, &typo).await, "{args:?} created it");
+    }
+
+    // A port in use is reported before anything else happens.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let (code, _, err) = run_cli(
+        &typo_url,
+        &["serve", "--bind", &format!("127.0.0.1:{port}")],
+    )
+    .await;
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("cannot listen on") && err.contains("NEXO_BIND"),
+        "{err}"
+    );
+    assert!(
+        !database_exists(&pool, &typo).await,
+        "nothing done before the bind"
+    );
+    drop(taken);
+
+    let output = tokio::process::Command::new(BIN)
+        .args(["migrate"])
+        .env("DATABASE_URL", &typo_url)
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("created the database"),
+        "migrate says so"
+    );
+    assert!(database_exists(&pool, &typo).await);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{typo}\" WITH (FORCE)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    for (bad, says) in [
+        ("not-a-url", "must look like postgres://"),
+        ("mysql://root@localhost:3306/nexo", "not mysql://"),
+        (
+            "postgres://postgres@127.0.0.1:1/nexo",
+            "on 127.0.0.1:1 as postgres",
+        ),
+    ] {
+        let (code, _, err) = run_cli(bad, &["list-principals"]).await;
+        assert_eq!(code, 1, "{bad}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains(says), "{bad}: {err}");
     }
 }

@@ -201,12 +201,15 @@ fn append(path: &Path, text: &str) {
 }
 
 /// The service's own way in: endpoints, database creation, the pool.
-async fn connect(database_url: &str) -> Result<PgPool, sqlx::Error> {
-    nexo_transfers::db::connect(&DbConfig {
-        database_url: database_url.to_owned(),
-        db_pool_max: 2,
-        db_acquire_timeout: Duration::from_secs(10),
-    })
+async fn connect(database_url: &str) -> Result<PgPool, nexo_transfers::db::ConnectError> {
+    nexo_transfers::db::connect(
+        &DbConfig {
+            database_url: database_url.to_owned(),
+            db_pool_max: 2,
+            db_acquire_timeout: Duration::from_secs(10),
+        },
+        nexo_transfers::db::MissingDatabase::Create,
+    )
     .await
 }
 

@@ -35,6 +35,8 @@ pub struct Endpoints {
 pub enum EndpointsError {
     #[error("DATABASE_URL must look like postgres://user@host:port/database")]
     NotAUrl,
+    #[error("DATABASE_URL must be a postgres:// or postgresql:// URL, not {0}://")]
+    NotPostgres(String),
     #[error("DATABASE_URL lists an empty host")]
     EmptyHost,
     #[error("target_session_attrs={0} is not supported (use read-write, primary or any)")]
@@ -44,6 +46,13 @@ pub enum EndpointsError {
 impl Endpoints {
     pub fn parse(url: &str) -> Result<Self, EndpointsError> {
         let (scheme, rest) = url.split_once("://").ok_or(EndpointsError::NotAUrl)?;
+        // A mysql:// URL otherwise reaches a MariaDB and fails mid-protocol
+        // with a message about neither.
+        if !matches!(scheme, "postgres" | "postgresql") {
+            return Err(EndpointsError::NotPostgres(
+                scheme.chars().take(32).collect(),
+            ));
+        }
         let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
         let (authority, tail) = rest.split_at(authority_end);
         let (userinfo, hosts) = match authority.rsplit_once('@') {
@@ -329,6 +338,11 @@ mod tests {
     #[test]
     fn malformed_urls_and_unknown_session_attributes_are_refused() {
         assert_eq!(Endpoints::parse("not-a-url"), Err(EndpointsError::NotAUrl));
+        assert_eq!(
+            Endpoints::parse("mysql://root@localhost:3306/nexo"),
+            Err(EndpointsError::NotPostgres("mysql".to_owned()))
+        );
+        assert!(Endpoints::parse("postgresql://u@h:5432/d").is_ok());
         assert_eq!(
             Endpoints::parse("postgres://a:1,,b:2/db"),
             Err(EndpointsError::EmptyHost)

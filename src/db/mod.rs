@@ -27,30 +27,105 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 /// so every transaction, and so every claim, ends within a known time.
 pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Creates the database if it is missing, then opens a bounded pool whose
-/// statements run at most [`STATEMENT_TIMEOUT`]. Row-lock waits are
-/// bounded where they can happen (the posting path sets its own
-/// `lock_timeout`). With several hosts in `DATABASE_URL` the pool connects
-/// to the primary, refuses a connection to a server in recovery, and a
-/// task follows the primary when it changes (see [`follow_primary`]).
-pub async fn connect(config: &DbConfig) -> Result<PgPool, sqlx::Error> {
-    let endpoints =
-        Endpoints::parse(&config.database_url).map_err(|e| sqlx::Error::Configuration(e.into()))?;
-    let url = endpoints.find_primary().await?.to_owned();
-    if !Postgres::database_exists(&url).await? {
+/// What [`connect`] does when the database named by `DATABASE_URL` does
+/// not exist on its server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingDatabase {
+    /// Create it (and say so): `serve` and `migrate`.
+    Create,
+    /// Fail, naming it: every other command, so that a typo in the URL is
+    /// not a new, empty database that a command then writes to.
+    Refuse,
+}
+
+/// Why [`connect`] could not give a pool, in words that name what was
+/// tried: the database, host, port and user.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error(transparent)]
+    Url(#[from] endpoints::EndpointsError),
+    #[error("database {target} does not exist; `nexo-transfers migrate` creates it")]
+    Missing { target: String },
+    #[error("cannot connect to database {target}: {source}")]
+    Unreachable {
+        target: String,
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// What `DATABASE_URL` names, for an error message.
+pub fn describe_database_url(url: &str) -> String {
+    match Endpoints::parse(url) {
+        Ok(endpoints) => describe(&endpoints.urls),
+        Err(_) => "named by DATABASE_URL".to_owned(),
+    }
+}
+
+/// `"nexo_transfers" on localhost:5432 as postgres`: what the URLs name
+/// (several hosts are listed in their order).
+fn describe<S: AsRef<str>>(urls: &[S]) -> String {
+    let options: Vec<PgConnectOptions> = urls
+        .iter()
+        .filter_map(|u| PgConnectOptions::from_str(u.as_ref()).ok())
+        .collect();
+    let Some(first) = options.first() else {
+        return "named by DATABASE_URL".to_owned();
+    };
+    let hosts: Vec<String> = options
+        .iter()
+        .map(|o| format!("{}:{}", o.get_host(), o.get_port()))
+        .collect();
+    format!(
+        "{:?} on {} as {}",
+        first.get_database().unwrap_or("postgres"),
+        hosts.join(", "),
+        first.get_username()
+    )
+}
+
+/// Opens a bounded pool whose statements run at most
+/// [`STATEMENT_TIMEOUT`], after creating the database when it is missing
+/// and `missing` says so. Row-lock waits are bounded where they can happen
+/// (the posting path sets its own `lock_timeout`). With several hosts in
+/// `DATABASE_URL` the pool connects to the primary, refuses a connection to
+/// a server in recovery, and a task follows the primary when it changes
+/// (see [`follow_primary`]).
+pub async fn connect(config: &DbConfig, missing: MissingDatabase) -> Result<PgPool, ConnectError> {
+    let endpoints = Endpoints::parse(&config.database_url)?;
+    let unreachable = |urls: &[String]| {
+        let target = describe(urls);
+        move |source| ConnectError::Unreachable { target, source }
+    };
+    let url = endpoints
+        .find_primary()
+        .await
+        .map_err(unreachable(&endpoints.urls))?
+        .to_owned();
+    let one = std::slice::from_ref(&url);
+    if !Postgres::database_exists(&url)
+        .await
+        .map_err(unreachable(one))?
+    {
+        if missing == MissingDatabase::Refuse {
+            return Err(ConnectError::Missing {
+                target: describe(one),
+            });
+        }
         match Postgres::create_database(&url).await {
-            Ok(()) => tracing::info!("created the database"),
+            Ok(()) => tracing::info!(database = %describe(one), "created the database"),
             // Another instance created it between our check and our CREATE.
             Err(e) if classify(&e) == Failure::AlreadyExists => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(unreachable(one)(e)),
         }
     }
-    let options: PgConnectOptions = url.parse()?;
+    let options: PgConnectOptions = url.parse().map_err(unreachable(one))?;
     let pool = pool_options(endpoints.read_write)
         .max_connections(config.db_pool_max)
         .acquire_timeout(config.db_acquire_timeout)
         .connect_with(bounded_statements(options))
-        .await?;
+        .await
+        .map_err(unreachable(one))?;
     if !endpoints.is_single() {
         tokio::spawn(follow_primary(pool.clone(), endpoints));
     }
