@@ -1,10 +1,11 @@
-//! `GET /openapi.yaml` and the browsable docs at `GET /docs`. Everything is
-//! built into the binary (the spec with `include_str!`, Swagger UI vendored
-//! from npm's swagger-ui-dist under `assets/swagger-ui/`), so the docs work
-//! offline and nothing is fetched at build or run time.
+//! `GET /openapi.yaml`, the browsable docs at `GET /docs`, and `GET /`, which
+//! leads there. Everything is built into the binary (the spec with
+//! `include_str!`, Swagger UI vendored from npm's swagger-ui-dist under
+//! `assets/swagger-ui/`), so the docs work offline and nothing is fetched at
+//! build or run time.
 
 use axum::http::{HeaderValue, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, Redirect, Response};
 
 use super::error::ApiError;
 use super::extract::PathParam;
@@ -88,6 +89,13 @@ pub async fn page() -> Response {
         DOCS_PAGE,
     )
         .into_response()
+}
+
+/// Someone opening the server's bare address wants the docs. Temporary
+/// (307) rather than permanent, so browsers do not cache it and `/` stays
+/// free for something else later; relative, so it holds on any host.
+pub async fn root() -> Redirect {
+    Redirect::temporary("/docs")
 }
 
 pub async fn asset(PathParam(name): PathParam) -> Result<Response, ApiError> {
