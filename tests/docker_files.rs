@@ -216,13 +216,16 @@ fn the_runtime_image_is_slim_and_runs_as_a_non_root_user() {
 }
 
 /// Files the compiler reads besides `src/`: the arguments of include_str!
-/// and include_bytes! (relative to their source file) and `migrations/`.
+/// and include_bytes! (relative to their source file) and `migrations/`;
+/// and `crates/`, where the other workspace members are: cargo loads every
+/// member's manifest before it builds any one binary.
 fn files_the_build_reads() -> Vec<PathBuf> {
     let mut files = vec![
         PathBuf::from("Cargo.toml"),
         PathBuf::from("Cargo.lock"),
         PathBuf::from("src"),
         PathBuf::from("migrations"),
+        PathBuf::from("crates"),
     ];
     let mut stack = vec![PathBuf::from("src")];
     while let Some(dir) = stack.pop() {

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use serde::{Deserialize, Serialize};
-use uuid::Uuid;
+use nexo_client::{Client, Error as ClientError, IdempotencyKey, TransferIntent, TransferRequest};
+use serde::Serialize;
 
 use crate::check::{self, CheckReport};
 use crate::fixture::{self, Fixture};
@@ -27,69 +27,55 @@ const LATENCY_US_MAX: u64 = 120_000_000;
 /// Connections the checks use.
 const CHECK_CONNECTIONS: u32 = 2;
 
-#[derive(Deserialize)]
-struct CreatedBody {
-    transfer_id: Uuid,
-}
-
-#[derive(Deserialize)]
-struct ProblemBody {
-    #[serde(rename = "type")]
-    kind: String,
-}
-
-/// The HTTP side of a run: the client and what every request carries.
+/// The HTTP side of a run: one client per principal, over one pool of
+/// connections, and the currency every request names.
 struct Sender {
-    client: reqwest::Client,
-    url: String,
+    clients: Vec<Client>,
     currency: String,
-    authorizations: Vec<String>,
 }
 
 impl Sender {
+    /// One attempt, never retried by the client: each request is measured
+    /// and checked on its own, and the scenarios make their own retries.
     async fn send(&self, intent: &Intent) -> (Answer, Option<Bytes>, Duration) {
+        let key = match IdempotencyKey::parse(&*intent.key) {
+            Ok(key) => key,
+            Err(e) => return (Answer::Transport(e.to_string()), None, Duration::ZERO),
+        };
+        let request = TransferRequest::new(
+            Fixture::account_id(intent.from),
+            Fixture::account_id(intent.to),
+            intent.amount,
+            self.currency.as_str(),
+        );
+        let transfer = TransferIntent::resume(key, request);
         let started = Instant::now();
-        let sent = self
-            .client
-            .post(&self.url)
-            .header("authorization", &self.authorizations[intent.principal])
-            .header("idempotency-key", &*intent.key)
-            .header("content-type", "application/json")
-            .body(intent.body(&self.currency))
-            .send()
+        let sent = self.clients[intent.principal]
+            .send_transfer_once(&transfer)
             .await;
-        let response = match sent {
-            Ok(r) => r,
-            Err(e) => return (Answer::Transport(e.to_string()), None, started.elapsed()),
-        };
-        let status = response.status().as_u16();
-        let replayed = response
-            .headers()
-            .get("idempotent-replayed")
-            .is_some_and(|v| v.as_bytes() == b"true");
-        let body = match response.bytes().await {
-            Ok(b) => b,
-            Err(e) => return (Answer::Transport(e.to_string()), None, started.elapsed()),
-        };
         let elapsed = started.elapsed();
-        let answer = if status == 201 {
-            match serde_json::from_slice::<CreatedBody>(&body) {
-                Ok(created) => Answer::Created {
-                    transfer_id: created.transfer_id,
-                    replayed,
+        let (answer, body) = match sent {
+            Ok(created) => (
+                Answer::Created {
+                    transfer_id: created.transfer.transfer_id,
+                    replayed: created.replayed,
                 },
-                Err(_) => Answer::Other { status },
-            }
-        } else {
-            match serde_json::from_slice::<ProblemBody>(&body) {
-                Ok(p) => Answer::Problem {
-                    status,
-                    slug: p.kind.rsplit('/').next().unwrap_or_default().to_owned(),
+                Some(created.body),
+            ),
+            Err(ClientError::Problem(p)) => (
+                Answer::Problem {
+                    status: p.status,
+                    slug: p.problem.slug().to_owned(),
                 },
-                Err(_) => Answer::Other { status },
-            }
+                Some(p.body),
+            ),
+            Err(ClientError::Transport(e)) => (Answer::Transport(e.to_string()), None),
+            Err(other) => match (other.status(), other.body()) {
+                (Some(status), body) => (Answer::Other { status }, body.cloned()),
+                (None, _) => (Answer::Transport(other.to_string()), None),
+            },
         };
-        (answer, Some(body), elapsed)
+        (answer, body, elapsed)
     }
 }
 
@@ -276,20 +262,21 @@ pub async fn run(database_url: &str, args: &RunArgs) -> Result<bool, Error> {
     if !(2..=fixture.accounts).contains(&accounts) {
         return Err(format!("--accounts must be 2 to {}", fixture.accounts).into());
     }
-    let client = reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
+    let http = reqwest::Client::builder()
         .pool_max_idle_per_host(2 * args.concurrency as usize)
         .tcp_nodelay(true)
         .build()?;
+    let client = Client::builder(args.url.as_str())
+        .http_client(http)
+        .attempt_timeout(CLIENT_TIMEOUT)
+        .build()?;
     let sender = Arc::new(Sender {
-        client,
-        url: format!("{}/transfers", args.url.trim_end_matches('/')),
-        currency: fixture.currency.clone(),
-        authorizations: fixture
+        clients: fixture
             .principals
             .iter()
-            .map(|p| format!("Bearer {}", p.token))
+            .map(|p| client.with_token(p.token.as_str()))
             .collect(),
+        currency: fixture.currency.clone(),
     });
     let mut plan = Plan::new(args.scenario, fixture, accounts, args.storm_fanout);
     let pool = if args.no_check {

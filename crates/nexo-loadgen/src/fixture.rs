@@ -1,5 +1,5 @@
 //! The principals and funded accounts a load run uses, created through the
-//! library's operator actions (so every opening balance is a ledger
+//! server library's operator actions (so every opening balance is a ledger
 //! deposit), and the fixture file that carries their tokens to `run`.
 
 use std::path::{Path, PathBuf};

@@ -33,17 +33,6 @@ pub struct Intent {
     pub amount: i64,
 }
 
-impl Intent {
-    pub fn body(&self, currency: &str) -> String {
-        format!(
-            r#"{{"from":"{}","to":"{}","amount_minor":{},"currency":"{currency}"}}"#,
-            Fixture::account_id(self.from),
-            Fixture::account_id(self.to),
-            self.amount
-        )
-    }
-}
-
 /// What a worker sends next.
 #[derive(Debug, Clone)]
 pub enum Step {

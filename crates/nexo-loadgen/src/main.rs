@@ -4,9 +4,10 @@
 //! reconciles and that every intent it sent executed at most once.
 //!
 //! `loadgen setup` creates the principals and funded accounts the scenarios
-//! use (through the library's operator actions, so the ledger stays
-//! consistent) and writes their tokens to a fixture file; `loadgen run`
-//! reads that file.
+//! use (through the server library's operator actions, `nexo_transfers::admin`,
+//! so the ledger stays consistent) and writes their tokens to a fixture file;
+//! `loadgen run` reads that file and sends its requests with `nexo-client`,
+//! one attempt each, so that every request is measured and checked alone.
 
 mod check;
 mod fixture;
