@@ -30,6 +30,23 @@ WHERE status = 'COMPLETED' AND response_status >= 400;
 
 ALTER TABLE idempotency_keys ALTER COLUMN retain_until SET NOT NULL;
 
+-- An instance of the previous version, still running during a rolling
+-- upgrade, claims and cancels without retain_until: its rows get the
+-- default retention, as if written under it. The WHEN keeps the function
+-- off the path of this version's inserts, which always set the column.
+CREATE FUNCTION idempotency_keys_default_retention() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.retain_until := GREATEST(NEW.expires_at, NEW.created_at + interval '400 days');
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER idempotency_keys_default_retention
+    BEFORE INSERT ON idempotency_keys
+    FOR EACH ROW WHEN (NEW.retain_until IS NULL)
+    EXECUTE FUNCTION idempotency_keys_default_retention();
+
 ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_completed_has_response;
 ALTER TABLE idempotency_keys
     ADD CONSTRAINT idempotency_keys_completed_has_outcome

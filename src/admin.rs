@@ -40,6 +40,10 @@ pub enum AdminError {
     InvalidTokenLabel,
     #[error("the principal already has a live token labelled {0:?}; choose another label")]
     TokenLabelTaken(String),
+    #[error(
+        "principal {0:?} already holds {LIVE_TOKENS_PER_PRINCIPAL_MAX} live tokens: revoke one first"
+    )]
+    TooManyTokens(String),
     #[error("principal {principal:?} has no live token labelled {label:?}")]
     UnknownToken { principal: String, label: String },
     #[error("{0}")]
@@ -135,6 +139,13 @@ pub struct NewToken {
     pub token: String,
 }
 
+/// The most live tokens a principal may hold: enough for a rotation per
+/// deployment, few enough that a leaked credential store is a short list.
+pub const LIVE_TOKENS_PER_PRINCIPAL_MAX: i64 = 20;
+
+/// The most tokens `list-tokens` prints (revoked ones accumulate).
+pub const TOKENS_LISTED_MAX: i64 = 1_000;
+
 /// Adds a token to a principal, its other tokens untouched: the first step
 /// of a rotation (create, deploy, then revoke the old one).
 pub async fn create_token(
@@ -145,8 +156,22 @@ pub async fn create_token(
     check_token_label(label)?;
     let principal_id = principal_id_by_name(pool, principal).await?;
     let token = auth::generate_token();
-    let mut conn = pool.acquire().await?;
-    let token_id = insert_token(&mut conn, principal_id, label, &token).await?;
+    let mut tx = pool.begin().await?;
+    // The principal's row lock orders concurrent creations, so the count
+    // below cannot be passed by two at once.
+    let live: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM principal_tokens t
+                 WHERE t.principal_id = p.id AND t.revoked_at IS NULL)
+         FROM principals p WHERE p.id = $1 FOR UPDATE",
+    )
+    .bind(principal_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if live >= LIVE_TOKENS_PER_PRINCIPAL_MAX {
+        return Err(AdminError::TooManyTokens(principal.to_owned()));
+    }
+    let token_id = insert_token(&mut tx, principal_id, label, &token).await?;
+    tx.commit().await?;
     Ok(NewToken {
         principal: principal.to_owned(),
         token_id,
@@ -175,19 +200,32 @@ pub async fn revoke_token(
     label: &str,
 ) -> Result<TokenInfo, AdminError> {
     let principal_id = principal_id_by_name(pool, principal).await?;
-    sqlx::query_as(
+    let mut tx = pool.begin().await?;
+    let revoked: TokenInfo = sqlx::query_as(
         "UPDATE principal_tokens SET revoked_at = now()
          WHERE principal_id = $1 AND label = $2 AND revoked_at IS NULL
          RETURNING id AS token_id, label, created_at, last_used_at, revoked_at",
     )
     .bind(principal_id)
     .bind(label)
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await?
     .ok_or_else(|| AdminError::UnknownToken {
         principal: principal.to_owned(),
         label: label.to_owned(),
-    })
+    })?;
+    // An instance of the version before migration 0005 authenticates with
+    // the principal's old column: a token revoked here must stop there too.
+    sqlx::query(
+        "UPDATE principals p SET token_sha256 = NULL
+         FROM principal_tokens t
+         WHERE t.id = $1 AND p.id = t.principal_id AND p.token_sha256 = t.token_sha256",
+    )
+    .bind(revoked.token_id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(revoked)
 }
 
 /// A principal's tokens, live and revoked, oldest first.
@@ -195,9 +233,10 @@ pub async fn list_tokens(pool: &PgPool, principal: &str) -> Result<Vec<TokenInfo
     let principal_id = principal_id_by_name(pool, principal).await?;
     Ok(sqlx::query_as(
         "SELECT id AS token_id, label, created_at, last_used_at, revoked_at
-         FROM principal_tokens WHERE principal_id = $1 ORDER BY created_at, id",
+         FROM principal_tokens WHERE principal_id = $1 ORDER BY created_at, id LIMIT $2",
     )
     .bind(principal_id)
+    .bind(TOKENS_LISTED_MAX)
     .fetch_all(pool)
     .await?)
 }

@@ -41,32 +41,47 @@ pub fn generate_token() -> String {
 /// often per token and instance, so authentication stays a read.
 pub const LAST_USED_RESOLUTION: Duration = Duration::from_secs(60);
 
-/// Finds the principal a live (not revoked) token belongs to, and notes the
-/// use when the last one noted is older than [`LAST_USED_RESOLUTION`]. The
-/// lookup is by the token's SHA-256, through a unique index: the comparison
-/// happens on a digest the caller cannot steer byte by byte, so its timing
-/// tells nothing about stored tokens.
+/// Finds the principal a live (not revoked) token belongs to: a plain
+/// read, so authentication works wherever reads do (a server turned
+/// read-only, a standby in a failover's window) and never waits on a row
+/// lock. The lookup is by the token's SHA-256, through a unique index: the
+/// comparison happens on a digest the caller cannot steer byte by byte, so
+/// its timing tells nothing about stored tokens.
 pub async fn principal_for_token<'e>(
     executor: impl PgExecutor<'e>,
     token: &str,
 ) -> Result<Option<PrincipalId>, sqlx::Error> {
     sqlx::query_scalar(
-        "WITH live AS (
-             SELECT id, principal_id, last_used_at FROM principal_tokens
-             WHERE token_sha256 = $1 AND revoked_at IS NULL
-         ), noted AS (
-             UPDATE principal_tokens t SET last_used_at = now()
-             FROM live
-             WHERE t.id = live.id
-               AND (live.last_used_at IS NULL
-                    OR live.last_used_at < now() - make_interval(secs => $2))
-         )
-         SELECT principal_id FROM live",
+        "SELECT principal_id FROM principal_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
+    )
+    .bind(token_sha256(token).as_slice())
+    .fetch_optional(executor)
+    .await
+}
+
+/// Notes that a token was used, when the last note is older than
+/// [`LAST_USED_RESOLUTION`]: a hint for operators, written off the request
+/// path (the caller spawns it, on the key pool, which does not wait for a
+/// standby). A row locked by another note or by a revocation is skipped,
+/// and a revoked token is never noted.
+pub async fn note_token_use<'e>(
+    executor: impl PgExecutor<'e>,
+    token: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE principal_tokens SET last_used_at = now()
+         WHERE id = (SELECT id FROM principal_tokens
+                     WHERE token_sha256 = $1 AND revoked_at IS NULL
+                       AND (last_used_at IS NULL
+                            OR last_used_at < now() - make_interval(secs => $2))
+                     FOR UPDATE SKIP LOCKED)
+           AND revoked_at IS NULL",
     )
     .bind(token_sha256(token).as_slice())
     .bind(LAST_USED_RESOLUTION.as_secs_f64())
-    .fetch_optional(executor)
+    .execute(executor)
     .await
+    .map(|_| ())
 }
 
 #[cfg(test)]

@@ -178,11 +178,15 @@ async fn a_closed_pipe_ends_a_command_with_its_own_status(pool: PgPool) {
 
 /// Logs written to a pipe or a file carry no colour codes, and the default
 /// level shows the service's own events, not its dependencies' INFO
-/// chatter (sqlx's notice that `_sqlx_migrations` exists).
+/// chatter (sqlx's notice that `_sqlx_migrations` exists). Each run
+/// creates its database, so there is a log line to look at.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn logs_to_a_pipe_are_plain_and_quiet(pool: PgPool) {
-    let url = database_url_for(&pool);
+    let full = database_url_for(&pool);
+    let (server, _) = full.rsplit_once('/').unwrap();
     for no_color in [None, Some("1")] {
+        let fresh = format!("nexo_logs_{}", uuid::Uuid::new_v4().simple());
+        let url = format!("{server}/{fresh}");
         let mut command = tokio::process::Command::new(BIN);
         command
             .args(["migrate"])
@@ -194,8 +198,18 @@ async fn logs_to_a_pipe_are_plain_and_quiet(pool: PgPool) {
         let output = command.output().await.unwrap();
         assert_eq!(output.status.code(), Some(0));
         let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("created the database"),
+            "a line was logged: {stderr:?}"
+        );
         assert!(!stderr.contains('\u{1b}'), "colour codes in {stderr:?}");
         assert!(!stderr.contains("_sqlx_migrations"), "{stderr}");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE \"{fresh}\" WITH (FORCE)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
         assert_eq!(
             String::from_utf8_lossy(&output.stdout).trim(),
             "migrations applied"

@@ -202,9 +202,9 @@ async fn a_compacted_success_replays_byte_for_byte_and_refuses_another_body(pool
     assert_ledger_consistent(&app.pool).await;
 }
 
-/// A claim that failed promised nothing: past its TTL it is not kept, and
-/// the key executes whatever the body. A claim still in flight is never
-/// touched by the purge.
+/// A claim that failed promised nothing: past its TTL the purge deletes
+/// it, and the key then executes whatever the body; so it does before the
+/// purge ran. A claim still in flight is never touched by the purge.
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
 async fn failed_claims_are_forgotten_at_the_ttl_and_live_claims_are_left_alone(pool: PgPool) {
     let app = TestApp::spawn(pool).await;
@@ -220,8 +220,8 @@ async fn failed_claims_are_forgotten_at_the_ttl_and_live_claims_are_left_alone(p
     .execute(&app.pool)
     .await
     .unwrap();
-    // A live lease past the TTL cannot happen with a lease shorter than the
-    // TTL; the purge must still not take the key from its owner.
+    // A live lease past the TTL: a claim taken over just before its expiry
+    // keeps the expiry it had. The purge must not take the key from it.
     sqlx::query(
         "UPDATE idempotency_keys SET created_at = now() - interval '3 days',
                 expires_at = now() - interval '2 days'
@@ -232,18 +232,131 @@ async fn failed_claims_are_forgotten_at_the_ttl_and_live_claims_are_left_alone(p
     .await
     .unwrap();
 
-    let other_body = transfer(A_USD, B_USD, AMOUNT, "USD");
-    let executed = app.post_transfer(TOKEN_A, &failed, &other_body).await;
-    assert_eq!(executed.status, 201, "{:?}", executed.body);
-    assert!(!executed.replayed());
-    assert_eq!(transfers_under(&app.pool, &failed).await, 1);
+    // A second failed claim, taken by a request before any purge ran.
+    let unpurged = new_key();
+    claim_for_a(&app.pool, &unpurged, &transfer(A_USD, B_USD, 7, "USD")).await;
 
     let purged = purge(&app.pool).await;
-    assert_eq!(purged, Purged::default(), "the live claim is left alone");
+    assert_eq!(
+        purged,
+        Purged {
+            compacted: 0,
+            deleted: 1
+        },
+        "the failed claim is deleted, the live ones are left alone"
+    );
+    assert!(key_rows(&app.pool, &failed).await.is_empty());
+    sqlx::query(
+        "UPDATE idempotency_keys SET status = 'FAILED', locked_until = now(),
+                created_at = now() - interval '3 days', expires_at = now() - interval '2 days'
+         WHERE idempotency_key = $1",
+    )
+    .bind(&unpurged)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
+    let other_body = transfer(A_USD, B_USD, AMOUNT, "USD");
+    for key in [&failed, &unpurged] {
+        let executed = app.post_transfer(TOKEN_A, key, &other_body).await;
+        assert_eq!(executed.status, 201, "{:?}", executed.body);
+        assert!(!executed.replayed());
+        assert_eq!(transfers_under(&app.pool, key).await, 1);
+    }
     assert_eq!(
         key_rows(&app.pool, &live).await,
         vec![("IN_PROGRESS".to_owned(), None)]
     );
-    assert_eq!(app.balance(B_USD).await, AMOUNT);
+    assert_eq!(app.balance(B_USD).await, 2 * AMOUNT);
     assert_ledger_consistent(&app.pool).await;
+}
+
+/// Records written by the version before these horizons: a claim inserted
+/// without `retain_until` (an old instance during a rolling upgrade) gets
+/// the default retention; a refusal stored without its problem type and
+/// request id replays its stored bytes exactly, and is kept whole past its
+/// TTL rather than compacted into an answer with other bytes; an old
+/// tombstone's refusal repeats byte for byte.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn records_from_the_previous_version_keep_their_answers(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let principal: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM principals WHERE name = 'demo-b'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let (refused, cancelled) = (new_key(), new_key());
+    let legacy_body = r#"{"type":"https://nexo-transfers.example/problems/insufficient-funds","title":"Insufficient funds","status":422,"detail":"the source account balance cannot cover this transfer"}"#;
+    let body = transfer(B_USD, A_USD, AMOUNT, "USD");
+    let fingerprint = nexo_transfers::transfers::intent::TransferIntent::parse(
+        &serde_json::from_value(body.clone()).unwrap(),
+    )
+    .unwrap()
+    .fingerprint();
+    // The previous version's INSERTs: no retain_until, problem_type or request_id.
+    sqlx::query(
+        "INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path,
+             fingerprint, status, lock_token, locked_until, response_status, response_headers,
+             response_body, expires_at)
+         VALUES ($1, $2, 'POST', '/transfers', $3, 'COMPLETED', gen_random_uuid(), now(), 422,
+                 '[[\"content-type\",\"application/problem+json\"]]', convert_to($4, 'UTF8'),
+                 now() + interval '1 day'),
+                ($1, $5, 'POST', '/transfers', decode(repeat('00', 32), 'hex'), 'CANCELLED',
+                 gen_random_uuid(), now(), NULL, NULL, NULL, now() + interval '1 day')",
+    )
+    .bind(principal)
+    .bind(&refused)
+    .bind(fingerprint.as_bytes().as_slice())
+    .bind(legacy_body)
+    .bind(&cancelled)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let retained_days: f64 = sqlx::query_scalar(
+        "SELECT min(extract(epoch FROM retain_until - created_at) / 86400)::float8
+         FROM idempotency_keys WHERE idempotency_key = ANY($1)",
+    )
+    .bind(vec![refused.clone(), cancelled.clone()])
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!((399.9..=400.1).contains(&retained_days), "{retained_days}");
+
+    for _ in 0..2 {
+        let replay = app
+            .another_instance()
+            .await
+            .post_transfer(TOKEN_B, &refused, &body)
+            .await;
+        assert_eq!(replay.status, 422);
+        assert_eq!(
+            replay.body,
+            legacy_body.as_bytes(),
+            "the stored bytes, nothing added"
+        );
+    }
+    let tombstone: Vec<bytes::Bytes> = futures::future::join_all(
+        (0..2).map(|_| async { app.post_transfer(TOKEN_B, &cancelled, &body).await.body }),
+    )
+    .await;
+    assert_eq!(
+        tombstone[0], tombstone[1],
+        "an old tombstone refuses byte for byte"
+    );
+
+    pass_the_ttl(&app.pool).await;
+    let purged = purge(&app.pool).await;
+    assert_eq!(purged.compacted, 1, "only the tombstone is compacted");
+    assert!(
+        !record_is_compact(&app.pool, &refused).await,
+        "the old refusal is kept whole"
+    );
+    let past_ttl = app
+        .another_instance()
+        .await
+        .post_transfer(TOKEN_B, &refused, &body)
+        .await;
+    assert_eq!(past_ttl.body, legacy_body.as_bytes());
+    assert_eq!(transfers_under(&app.pool, &refused).await, 0);
+    assert_eq!(transfers_under(&app.pool, &cancelled).await, 0);
 }

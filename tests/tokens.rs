@@ -216,3 +216,70 @@ async fn operators_list_principals_and_show_accounts(pool: PgPool) {
     assert_eq!(code, 1);
     assert!(err.contains("acc_none"), "{err}");
 }
+
+/// Authentication is a read: on a server that turned read-only (a standby
+/// in a failover's window, a full disk on a managed service) a token is
+/// still found, where a lookup that also wrote failed with 25006; noting
+/// the use, done off the request path, is what fails there, harmlessly.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn authentication_works_on_a_read_only_server(pool: PgPool) {
+    nexo_transfers::admin::load_demo(&pool).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET default_transaction_read_only = on")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let write = sqlx::query("UPDATE principals SET name = name")
+        .execute(&mut *conn)
+        .await;
+    assert!(write.is_err(), "the session refuses writes");
+    let found = nexo_transfers::auth::principal_for_token(&mut *conn, TOKEN_A)
+        .await
+        .unwrap();
+    assert!(found.is_some());
+    assert!(
+        nexo_transfers::auth::note_token_use(&mut *conn, TOKEN_A)
+            .await
+            .is_err()
+    );
+    assert!(
+        nexo_transfers::auth::principal_for_token(&mut *conn, "tok_nobody")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// A token revoked here stops working on an instance of the previous
+/// version too, which reads the principal's old column.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_revoked_token_is_cleared_from_the_old_column(pool: PgPool) {
+    let url = database_url_for(&pool);
+    let created = cli_json(&url, &["create-principal", "--name", "legacy"]).await;
+    let token = created["token"].as_str().unwrap().to_owned();
+    // As migration 0005 left a principal made before it.
+    sqlx::query(
+        "UPDATE principals SET token_sha256 = sha256(convert_to($1, 'UTF8')) WHERE name = 'legacy'",
+    )
+    .bind(&token)
+    .execute(&pool)
+    .await
+    .unwrap();
+    cli_json(
+        &url,
+        &[
+            "revoke-token",
+            "--principal",
+            "legacy",
+            "--label",
+            "initial",
+        ],
+    )
+    .await;
+    let old_column: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT token_sha256 FROM principals WHERE name = 'legacy'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(old_column, None);
+}

@@ -78,7 +78,8 @@ fn describe<S: AsRef<str>>(urls: &[S]) -> String {
         .collect();
     format!(
         "{:?} on {} as {}",
-        first.get_database().unwrap_or("postgres"),
+        // libpq's default database is the user's name.
+        first.get_database().unwrap_or(first.get_username()),
         hosts.join(", "),
         first.get_username()
     )

@@ -262,6 +262,11 @@ impl IntoResponse for ApiError {
         // Lets the logging middleware record the problem type without
         // parsing the body.
         response.extensions_mut().insert(ProblemSlug(self.slug()));
+        // A cancellation written before request ids were kept: its refusal
+        // must be the same bytes on every retry, so none is added.
+        if matches!(self, Self::IntentCancelled { request_id: None }) {
+            response.extensions_mut().insert(ExactBody);
+        }
         response
     }
 }
@@ -269,6 +274,12 @@ impl IntoResponse for ApiError {
 /// The problem type of an error response, for logs and metrics.
 #[derive(Debug, Clone, Copy)]
 pub struct ProblemSlug(pub &'static str);
+
+/// Marks a response whose body goes out exactly as it is: a stored answer
+/// replayed, or a refusal that must repeat byte for byte. Nothing (the
+/// request id of this request, say) is added to it.
+#[derive(Debug, Clone, Copy)]
+pub struct ExactBody;
 
 impl From<KeyError> for ApiError {
     fn from(e: KeyError) -> Self {

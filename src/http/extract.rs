@@ -30,6 +30,15 @@ impl FromRequestParts<AppState> for Principal {
                     .await?
                     .ok_or(ApiError::Unauthorized)?;
                 state.caches.remember_principal(token, id);
+                // Once per cache miss, so at most once per PRINCIPAL_CACHE_TTL
+                // per token and instance; a failure only loses a hint.
+                let keys = state.transfers.keys.clone();
+                let token = token.to_owned();
+                tokio::spawn(async move {
+                    if let Err(e) = auth::note_token_use(keys.pool(), &token).await {
+                        tracing::debug!(error = %e, "could not note a token's use");
+                    }
+                });
                 id
             }
         };

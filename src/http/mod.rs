@@ -135,7 +135,10 @@ pub fn app(state: AppState) -> Router {
                 .layer(
                     TraceLayer::new_for_http()
                         .make_span_with(make_request_span)
-                        .on_response(log_response),
+                        .on_response(log_response)
+                        // A 5xx is logged once, with its cause, where it
+                        // happens; not again here at ERROR.
+                        .on_failure(()),
                 )
                 .layer(PropagateRequestIdLayer::new(X_REQUEST_ID))
                 .layer(middleware::from_fn(problem_request_id))
@@ -212,7 +215,8 @@ async fn problem_request_id(request: Request, next: Next) -> Response {
     let is_problem = response
         .headers()
         .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes() == PROBLEM_CONTENT_TYPE.as_bytes());
+        .is_some_and(|v| v.as_bytes() == PROBLEM_CONTENT_TYPE.as_bytes())
+        && response.extensions().get::<error::ExactBody>().is_none();
     let Some(request_id) = request_id.filter(|_| is_problem) else {
         return response;
     };

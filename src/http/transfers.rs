@@ -57,6 +57,7 @@ pub fn answer_response(answer: TransferAnswer) -> Response {
     }
     if replayed {
         sent.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response.extensions_mut().insert(super::error::ExactBody);
     }
     response
 }

@@ -394,10 +394,14 @@ async fn take_over(
                                THEN now() ELSE created_at END,
              expires_at = CASE WHEN idempotency_key_forgotten(status, locked_until, expires_at,
                                                               retain_until)
-                               THEN now() + make_interval(secs => $5) ELSE expires_at END,
+                               THEN now() + make_interval(secs => $5)
+                               ELSE GREATEST(expires_at, now() + make_interval(secs => $4)) END,
+             -- A takeover near the end of the retention must not outlive
+             -- it: the record would count as forgotten while in flight.
              retain_until = CASE WHEN idempotency_key_forgotten(status, locked_until, expires_at,
                                                                 retain_until)
-                                 THEN now() + make_interval(secs => $9) ELSE retain_until END
+                                 THEN now() + make_interval(secs => $9)
+                                 ELSE GREATEST(retain_until, now() + make_interval(secs => $4)) END
          WHERE principal_id = $1 AND idempotency_key = $2
            AND (idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
                 OR (fingerprint = $8
@@ -783,6 +787,15 @@ async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<Purged, sqlx::E
                  FROM idempotency_keys
                  WHERE compacted_at IS NULL AND expires_at <= now()
                    AND NOT (status = 'IN_PROGRESS' AND locked_until > now())
+                   -- Compacted only when its answer can be rebuilt to the
+                   -- same bytes: a refusal stored by a version before
+                   -- migration 0004 lacks its problem type or request id,
+                   -- and is kept whole until its retention ends instead.
+                   AND (idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
+                        OR status = 'CANCELLED'
+                        OR (status = 'COMPLETED'
+                            AND CASE WHEN response_status < 400 THEN transfer_id IS NOT NULL
+                                     ELSE problem_type IS NOT NULL AND request_id IS NOT NULL END))
                  ORDER BY expires_at
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED

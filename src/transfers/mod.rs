@@ -257,6 +257,10 @@ impl Transfers {
         body: &TransferBody,
         request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
+        // Bounded like the HTTP layer bounds it: the id is stored with a
+        // refusal, and a column that refused it would fail a whole batch.
+        let request_id =
+            request_id.filter(|id| crate::problem::acceptable_request_id(id.as_bytes()));
         let (outcome, result) = match TransferIntent::parse(body) {
             Ok(intent) => {
                 self.create_counted(principal, key, intent, request_id)
