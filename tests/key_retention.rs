@@ -24,6 +24,19 @@ async fn pass_the_ttl(pool: &PgPool) {
     .unwrap();
 }
 
+/// A claim released after a failure, its TTL over.
+async fn failed_past_the_ttl(pool: &PgPool, key: &str) {
+    sqlx::query(
+        "UPDATE idempotency_keys SET status = 'FAILED', locked_until = now(),
+                created_at = now() - interval '3 days', expires_at = now() - interval '2 days'
+         WHERE idempotency_key = $1",
+    )
+    .bind(key)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 async fn pass_the_retention(pool: &PgPool) {
     sqlx::query("UPDATE idempotency_keys SET retain_until = now() - interval '1 second'")
         .execute(pool)
@@ -211,15 +224,7 @@ async fn failed_claims_are_forgotten_at_the_ttl_and_live_claims_are_left_alone(p
     let (failed, live) = (new_key(), new_key());
     claim_for_a(&app.pool, &failed, &transfer(A_USD, B_USD, 5, "USD")).await;
     claim_for_a(&app.pool, &live, &transfer(A_USD, B_USD, 6, "USD")).await;
-    sqlx::query(
-        "UPDATE idempotency_keys SET status = 'FAILED', locked_until = now(),
-                created_at = now() - interval '3 days', expires_at = now() - interval '2 days'
-         WHERE idempotency_key = $1",
-    )
-    .bind(&failed)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    failed_past_the_ttl(&app.pool, &failed).await;
     // A live lease past the TTL: a claim taken over just before its expiry
     // keeps the expiry it had. The purge must not take the key from it.
     sqlx::query(
@@ -246,15 +251,7 @@ async fn failed_claims_are_forgotten_at_the_ttl_and_live_claims_are_left_alone(p
         "the failed claim is deleted, the live ones are left alone"
     );
     assert!(key_rows(&app.pool, &failed).await.is_empty());
-    sqlx::query(
-        "UPDATE idempotency_keys SET status = 'FAILED', locked_until = now(),
-                created_at = now() - interval '3 days', expires_at = now() - interval '2 days'
-         WHERE idempotency_key = $1",
-    )
-    .bind(&unpurged)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    failed_past_the_ttl(&app.pool, &unpurged).await;
 
     let other_body = transfer(A_USD, B_USD, AMOUNT, "USD");
     for key in [&failed, &unpurged] {
