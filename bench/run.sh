@@ -26,7 +26,12 @@ done
 
 BASE_URL="${DATABASE_URL:-postgres://postgres:postgres@localhost:5432/nexo_transfers}"
 BENCH_DB="nexo_bench_$$"
-BENCH_URL="${BASE_URL%/*}/${BENCH_DB}"
+# One transport for every client of the database (pgbench, psql, the server,
+# the load generator), so their figures compare: libpq and the server both
+# default to `prefer`, TLS wherever the server offers it (Debian's does).
+# BENCH_SSLMODE=disable measures without TLS on both sides.
+BENCH_SSLMODE="${BENCH_SSLMODE:-prefer}"
+BENCH_URL="${BASE_URL%/*}/${BENCH_DB}?sslmode=${BENCH_SSLMODE}"
 ADMIN_URL="${BASE_URL%/*}/postgres"
 PORT="${BENCH_PORT:-18181}"
 CONCURRENCIES="${BENCH_CONCURRENCIES:-1 8 32 64}"
