@@ -283,8 +283,10 @@ pub async fn show_account(pool: &PgPool, account: &str) -> Result<AccountInfo, A
     sqlx::query_as(
         "SELECT a.id AS account_id, p.name AS owner, a.currency, a.balance_minor,
                 (SELECT count(*) FROM ledger_entries e WHERE e.account_id = a.id) AS entries,
-                (SELECT max(created_at) FROM ledger_entries e WHERE e.account_id = a.id)
-                    AS last_entry_at
+                -- The newest entry through the (account_id, id) index, not
+                -- a scan of the account's history.
+                (SELECT e.created_at FROM ledger_entries e WHERE e.account_id = a.id
+                 ORDER BY e.id DESC LIMIT 1) AS last_entry_at
          FROM accounts a LEFT JOIN principals p ON p.id = a.principal_id
          WHERE a.id = $1",
     )

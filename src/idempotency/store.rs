@@ -566,7 +566,11 @@ pub async fn cancel(
 
 /// Writes (or keeps) the tombstone of a key whose row, if any, is locked
 /// by the caller's transaction. When a claim inserted the row meanwhile
-/// (the key had none), the insert conflicts and the claim wins.
+/// (the key had none when we looked), the insert conflicts and the
+/// tombstone overwrites that claim: the cancel wins, and the claim is
+/// fenced out (its completion no longer finds it IN_PROGRESS, so its
+/// posting rolls back and nothing moves). Only a completion that committed
+/// first stands: then the answer says the intent completed.
 async fn tombstone(
     conn: &mut PgConnection,
     policy: Policy,
