@@ -275,13 +275,14 @@ pub struct AccountInfo {
     pub owner: Option<String>,
     pub currency: String,
     pub balance_minor: i64,
+    pub held_minor: i64,
     pub entries: i64,
     pub last_entry_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub async fn show_account(pool: &PgPool, account: &str) -> Result<AccountInfo, AdminError> {
     sqlx::query_as(
-        "SELECT a.id AS account_id, p.name AS owner, a.currency, a.balance_minor,
+        "SELECT a.id AS account_id, p.name AS owner, a.currency, a.balance_minor, a.held_minor,
                 (SELECT count(*) FROM ledger_entries e WHERE e.account_id = a.id) AS entries,
                 -- The newest entry through the (account_id, id) index, not
                 -- a scan of the account's history.
@@ -462,6 +463,7 @@ pub async fn deposit(
         amount,
         currency: &currency,
         description: None,
+        transfer_id: None,
     };
     let mut tx = pool.begin().await?;
     let outcome = ledger::repo::post_transfer(&mut tx, &request).await?;

@@ -159,6 +159,7 @@ mod tests {
             principal_id: Some(new_principal()),
             currency: "USD".to_owned(),
             balance_minor: 5,
+            held_minor: 0,
             allow_negative: false,
         }
     }

@@ -369,6 +369,13 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             config.purge.purge_batch_rows,
         ))
     });
+    let expiry = (!config.posting.hold_expiry_interval.is_zero()).then(|| {
+        tokio::spawn(crate::transfers::lifecycle::expire_holds_periodically(
+            pool.clone(),
+            config.posting.hold_expiry_interval,
+            config.posting.posting_lock_timeout,
+        ))
+    });
     let reconciliation = match reconcile_every {
         Some(every) => {
             let reconcile_pool = reconcile::connect(&db.database_url, db.db_acquire_timeout, false)
@@ -395,7 +402,7 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let served = http::serve(listener, state, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"));
-    for task in [purge, reconciliation].into_iter().flatten() {
+    for task in [purge, expiry, reconciliation].into_iter().flatten() {
         task.abort();
     }
     // Every claim has ended by now; a connection stuck in the database must

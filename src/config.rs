@@ -121,6 +121,11 @@ pub struct PostingConfig {
     /// executes it on a new primary that never had it).
     #[arg(long, env = "NEXO_REPLICATION_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub replication_timeout: Duration,
+    /// How often the expiry task releases pending transfers past their
+    /// expiry; `0s` turns it off on this instance (another instance's task
+    /// does it; a post or void always refuses a hold past its expiry).
+    #[arg(long, env = "NEXO_HOLD_EXPIRY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub hold_expiry_interval: Duration,
 }
 
 impl PostingConfig {
@@ -152,6 +157,7 @@ impl Default for PostingConfig {
             posting_lock_waiters_max: None,
             require_sync_standby: false,
             replication_timeout: Duration::from_secs(5),
+            hold_expiry_interval: Duration::from_secs(1),
         }
     }
 }

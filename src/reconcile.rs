@@ -67,14 +67,25 @@ pub enum Check {
     TransferKeyRecord,
     /// No key is still IN_PROGRESS after its lease ended.
     KeysStuckInProgress,
+    /// Every account's held amount is the sum of its pending holds.
+    HoldReservations,
+    /// A hold was posted exactly when a transfer with its id exists, of its
+    /// posted amount between its accounts.
+    HoldTransfers,
+    /// A transfer's reversed amount is the sum of its reversals, each going
+    /// back from its destination to its source.
+    Reversals,
 }
 
 impl Check {
-    pub const ALL: [Check; 8] = [
+    pub const ALL: [Check; 11] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
         Check::EntryBalances,
+        Check::HoldReservations,
+        Check::HoldTransfers,
+        Check::Reversals,
         Check::KeyTransfers,
         Check::CompletedKeyTransfer,
         Check::TransferKeyRecord,
@@ -84,11 +95,14 @@ impl Check {
     /// The checks on the ledger alone: they hold whatever state the
     /// idempotency records are in, so tests that leave records half-done on
     /// purpose, and the load generator, check the money with them.
-    pub const LEDGER: [Check; 4] = [
+    pub const LEDGER: [Check; 7] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
         Check::EntryBalances,
+        Check::HoldReservations,
+        Check::HoldTransfers,
+        Check::Reversals,
     ];
 
     /// The stable name used in reports and as the `check` metric label.
@@ -102,6 +116,9 @@ impl Check {
             Check::CompletedKeyTransfer => "completed_key_transfer",
             Check::TransferKeyRecord => "transfer_key_record",
             Check::KeysStuckInProgress => "keys_stuck_in_progress",
+            Check::HoldReservations => "hold_reservations",
+            Check::HoldTransfers => "hold_transfers",
+            Check::Reversals => "reversals",
         }
     }
 
@@ -125,6 +142,15 @@ impl Check {
                 "every transfer created through a key within the TTL still has its key record"
             }
             Check::KeysStuckInProgress => "no key is IN_PROGRESS past its lease",
+            Check::HoldReservations => {
+                "every account's held amount is the sum of its pending holds (available = balance - held)"
+            }
+            Check::HoldTransfers => {
+                "every posted hold has its transfer (same id, posted amount, same accounts) and no other hold has one"
+            }
+            Check::Reversals => {
+                "every transfer's reversed amount is the sum of its reversals, each from its destination back to its source"
+            }
         }
     }
 
@@ -140,6 +166,8 @@ impl Check {
                 &["principal_id", "idempotency_key"]
             }
             Check::TransferKeyRecord => &["transfer_id", "principal_id", "idempotency_key"],
+            Check::HoldReservations => &["account_id"],
+            Check::HoldTransfers | Check::Reversals => &["transfer_id"],
         }
     }
 
@@ -237,8 +265,13 @@ impl Check {
                      SELECT k.principal_id, k.idempotency_key, k.transfer_id
                      FROM idempotency_keys k
                      JOIN transfers t ON t.id = k.transfer_id
-                     WHERE t.principal_id IS DISTINCT FROM k.principal_id
-                        OR t.idempotency_key <> k.idempotency_key
+                     WHERE (t.principal_id IS DISTINCT FROM k.principal_id
+                            OR t.idempotency_key <> k.idempotency_key)
+                       -- The key that created a hold names the transfer that
+                       -- posted it later, under the posting's key.
+                       AND NOT EXISTS (SELECT 1 FROM holds h
+                                       WHERE h.id = k.transfer_id AND h.principal_id = k.principal_id
+                                         AND h.idempotency_key = k.idempotency_key)
                  ), listed AS (
                      SELECT bad.*, count(*) OVER () AS total
                      FROM bad ORDER BY principal_id, idempotency_key LIMIT $1
@@ -275,6 +308,12 @@ impl Check {
                  WHERE k.status = 'COMPLETED'
                    AND k.response_status BETWEEN 200 AND 299
                    AND t.id IS NULL
+                   -- A hold created or voided: a transfer with no posting yet.
+                   AND NOT EXISTS (SELECT 1 FROM holds h WHERE h.id = k.transfer_id)
+                   -- A batch's record names its batch, not one transfer.
+                   AND NOT (k.transfer_id IS NULL AND EXISTS (
+                       SELECT 1 FROM transfer_batches b
+                       WHERE b.principal_id = k.principal_id AND b.idempotency_key = k.idempotency_key))
                  ORDER BY k.principal_id, k.idempotency_key
                  LIMIT $1"
             }
@@ -290,7 +329,68 @@ impl Check {
                    AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
                                    WHERE k.principal_id = t.principal_id
                                      AND k.idempotency_key = t.idempotency_key)
+                   -- A batch's legs were asked for under their batch's key.
+                   AND NOT EXISTS (SELECT 1 FROM transfer_batches b
+                                   JOIN idempotency_keys k ON k.principal_id = b.principal_id
+                                                          AND k.idempotency_key = b.idempotency_key
+                                   WHERE b.id = t.batch_id)
                  ORDER BY t.created_at, t.id
+                 LIMIT $1"
+            }
+            Check::HoldReservations => {
+                "WITH pending AS MATERIALIZED (
+                     SELECT from_account, sum(amount_minor) AS total
+                     FROM holds WHERE status = 'pending' GROUP BY from_account
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[a.id] AS ids,
+                        format('held %s (the sum of its pending holds)', COALESCE(p.total, 0)) AS expected,
+                        format('held %s', a.held_minor) AS found
+                 FROM accounts a
+                 LEFT JOIN pending p ON p.from_account = a.id
+                 WHERE a.held_minor <> COALESCE(p.total, 0)
+                 ORDER BY a.id
+                 LIMIT $1"
+            }
+            Check::HoldTransfers => {
+                "SELECT count(*) OVER () AS total,
+                        ARRAY[h.id::text] AS ids,
+                        CASE WHEN h.status = 'posted'
+                             THEN format('a transfer of %s from %s to %s', h.posted_amount_minor,
+                                         h.from_account, h.to_account)
+                             ELSE format('no transfer: the hold is %s', h.status) END AS expected,
+                        CASE WHEN t.id IS NULL THEN 'no transfer'
+                             ELSE format('a transfer of %s from %s to %s', t.amount_minor,
+                                         t.from_account, t.to_account) END AS found
+                 FROM holds h
+                 LEFT JOIN transfers t ON t.id = h.id
+                 WHERE CASE WHEN h.status = 'posted'
+                            THEN t.id IS NULL OR t.amount_minor <> h.posted_amount_minor
+                                 OR t.from_account <> h.from_account OR t.to_account <> h.to_account
+                            ELSE t.id IS NOT NULL END
+                 ORDER BY h.id
+                 LIMIT $1"
+            }
+            Check::Reversals => {
+                "WITH given AS MATERIALIZED (
+                     SELECT reverses AS id, sum(amount_minor) AS total,
+                            count(*) FILTER (WHERE NOT ok) AS misdirected
+                     FROM (SELECT r.reverses, r.amount_minor,
+                                  (r.from_account = o.to_account AND r.to_account = o.from_account
+                                   AND r.currency = o.currency) AS ok
+                           FROM transfers r JOIN transfers o ON o.id = r.reverses) x
+                     GROUP BY reverses
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[t.id::text] AS ids,
+                        format('reversed %s (the sum of its reversals), each from %s back to %s',
+                               COALESCE(g.total, 0), t.to_account, t.from_account) AS expected,
+                        format('reversed %s; %s reversals between other accounts',
+                               t.reversed_minor, COALESCE(g.misdirected, 0)) AS found
+                 FROM transfers t
+                 LEFT JOIN given g ON g.id = t.id
+                 WHERE t.reversed_minor <> COALESCE(g.total, 0) OR COALESCE(g.misdirected, 0) > 0
+                 ORDER BY t.id
                  LIMIT $1"
             }
             Check::KeysStuckInProgress => {

@@ -24,6 +24,7 @@ pub const HTTP_REQUEST_DURATION_SECONDS: &str = "nexo_http_request_duration_seco
 pub const IDEMPOTENCY_OUTCOMES_TOTAL: &str = "nexo_idempotency_outcomes_total";
 pub const TRANSFERS_POSTED_TOTAL: &str = "nexo_transfers_posted_total";
 pub const TRANSFERS_REJECTED_TOTAL: &str = "nexo_transfers_rejected_total";
+pub const HOLDS_TOTAL: &str = "nexo_holds_total";
 pub const DB_POOL_CONNECTIONS: &str = "nexo_db_pool_connections";
 pub const DB_POOL_MAX_CONNECTIONS: &str = "nexo_db_pool_max_connections";
 pub const DB_POOL_ACQUIRE_TIMEOUTS_TOTAL: &str = "nexo_db_pool_acquire_timeouts_total";
@@ -35,12 +36,13 @@ pub const RECONCILE_LAST_RUN_DURATION_SECONDS: &str = "nexo_reconcile_last_run_d
 pub const RECONCILE_LAST_RUN_DISCREPANCIES: &str = "nexo_reconcile_last_run_discrepancies";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 14] = [
+pub const METRICS: [&str; 15] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
     TRANSFERS_POSTED_TOTAL,
     TRANSFERS_REJECTED_TOTAL,
+    HOLDS_TOTAL,
     DB_POOL_CONNECTIONS,
     DB_POOL_MAX_CONNECTIONS,
     DB_POOL_ACQUIRE_TIMEOUTS_TOTAL,
@@ -137,6 +139,11 @@ fn describe() {
         "POST /transfers idempotency outcomes: claim results and executions that did not complete"
     );
     describe_counter!(
+        HOLDS_TOTAL,
+        Unit::Count,
+        "Pending transfers (holds) by what happened to them: created, posted, voided, expired"
+    );
+    describe_counter!(
         TRANSFERS_POSTED_TOTAL,
         Unit::Count,
         "Transfers committed to the ledger (money moved)"
@@ -196,6 +203,9 @@ fn describe() {
         counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).absolute(0);
     }
     counter!(TRANSFERS_POSTED_TOTAL).absolute(0);
+    for event in HOLD_EVENTS {
+        counter!(HOLDS_TOTAL, "event" => event).absolute(0);
+    }
     counter!(DB_POOL_ACQUIRE_TIMEOUTS_TOTAL).absolute(0);
     for result in ["ok", "error"] {
         counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
@@ -237,6 +247,18 @@ pub fn http_request(method: &Method, route: &str, status: u16, latency: Duration
 /// One of [`IDEMPOTENCY_OUTCOMES`].
 pub fn idempotency_outcome(outcome: &'static str) {
     counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// What can happen to a hold: the `event` label's closed set.
+pub const HOLD_EVENTS: [&str; 4] = ["created", "posted", "voided", "expired"];
+
+/// `event` is one of [`HOLD_EVENTS`].
+pub fn hold_event(event: &'static str) {
+    counter!(HOLDS_TOTAL, "event" => event).increment(1);
+}
+
+pub fn hold_events(event: &'static str, count: u64) {
+    counter!(HOLDS_TOTAL, "event" => event).increment(count);
 }
 
 pub fn transfer_posted() {

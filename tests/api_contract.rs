@@ -14,7 +14,7 @@ use nexo_transfers::http::docs;
 use nexo_transfers::http::error::{ApiError, PROBLEM_TYPE_BASE, ValidationKind};
 use nexo_transfers::http::problems;
 use nexo_transfers::idempotency::KeyError;
-use nexo_transfers::transfers::RetryReason;
+use nexo_transfers::transfers::{Rejection, RetryReason};
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -304,6 +304,9 @@ fn every_api_error() -> Vec<ApiError> {
         ValidationKind::InvalidAccountId,
         ValidationKind::UnknownDestination,
         ValidationKind::InvalidDescription,
+        ValidationKind::InvalidMode,
+        ValidationKind::InvalidExpiry,
+        ValidationKind::InvalidBatch,
     ];
     for kind in kinds {
         match kind {
@@ -313,7 +316,10 @@ fn every_api_error() -> Vec<ApiError> {
             | ValidationKind::SameAccount
             | ValidationKind::InvalidAccountId
             | ValidationKind::UnknownDestination
-            | ValidationKind::InvalidDescription => {}
+            | ValidationKind::InvalidDescription
+            | ValidationKind::InvalidMode
+            | ValidationKind::InvalidExpiry
+            | ValidationKind::InvalidBatch => {}
         }
     }
     let mut errors: Vec<ApiError> = kinds
@@ -349,6 +355,9 @@ fn every_api_error() -> Vec<ApiError> {
         },
         ApiError::ServiceUnavailable,
         ApiError::NotPostedNow(RetryReason::LockTimeout),
+        ApiError::Rejected(Rejection::NotPending),
+        ApiError::Rejected(Rejection::NotPosted),
+        ApiError::Rejected(Rejection::ReversalExceedsTransfer),
         ApiError::Internal,
     ]);
     for error in &errors {
@@ -370,6 +379,7 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::RateLimited { .. }
             | ApiError::ServiceUnavailable
             | ApiError::NotPostedNow(_)
+            | ApiError::Rejected(_)
             | ApiError::Internal => {}
         }
     }

@@ -329,6 +329,7 @@ impl<'a> Postings<'a> {
                 amount: *amount,
                 currency: &self.usd,
                 description: None,
+                transfer_id: None,
             })
             .collect()
     }

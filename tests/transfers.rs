@@ -772,7 +772,8 @@ async fn reads_are_limited_to_the_owner(pool: PgPool) {
     let account = app.get(TOKEN_B, "/accounts/acc_00002").await;
     assert_eq!(
         account.json(),
-        json!({"account_id": "acc_00002", "currency": "USD", "balance_minor": AMOUNT})
+        json!({"account_id": "acc_00002", "currency": "USD", "balance_minor": AMOUNT,
+               "held_minor": 0, "available_minor": AMOUNT})
     );
     for (token, path) in [
         (TOKEN_A, "/accounts/acc_00002"),

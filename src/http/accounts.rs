@@ -14,7 +14,12 @@ use crate::ledger::{self, Account, AccountId};
 pub struct AccountView {
     pub account_id: String,
     pub currency: String,
+    /// Posted: the sum of the account's entries.
     pub balance_minor: i64,
+    /// Reserved by the account's pending transfers (holds).
+    pub held_minor: i64,
+    /// What the account may still spend: `balance_minor - held_minor`.
+    pub available_minor: i64,
 }
 
 #[derive(Serialize)]
@@ -65,9 +70,11 @@ pub async fn get(
 ) -> Result<Json<AccountView>, ApiError> {
     let account = owned_account(&state, principal, &account_id).await?;
     Ok(Json(AccountView {
+        available_minor: account.available_minor(),
         account_id: account.id,
         currency: account.currency,
         balance_minor: account.balance_minor,
+        held_minor: account.held_minor,
     }))
 }
 

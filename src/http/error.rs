@@ -70,6 +70,10 @@ pub enum ApiError {
     /// The transfer was not posted for a reason the client can wait out.
     #[error("{0}")]
     NotPostedNow(RetryReason),
+    /// Refused before any key was claimed, for a reason that will not
+    /// change (the transfer is not pending).
+    #[error("{0:?}")]
+    Rejected(Rejection),
     #[error("internal error")]
     Internal,
 }
@@ -102,6 +106,7 @@ impl ApiError {
             Self::UnsupportedMediaType => Some(Cow::Borrowed("Content-Type")),
             Self::Unauthorized => Some(Cow::Borrowed("Authorization")),
             Self::InsufficientFunds => Some(Cow::Borrowed("amount_minor")),
+            Self::Rejected(rejection) => rejection.problem().param,
             _ => None,
         }
     }
@@ -124,6 +129,7 @@ impl ApiError {
             | Self::IntentCompleted { .. } => StatusCode::CONFLICT,
             Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ServiceUnavailable | Self::NotPostedNow(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Rejected(rejection) => rejection.problem().status,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -148,6 +154,7 @@ impl ApiError {
             Self::InsufficientFunds => "insufficient-funds",
             Self::RateLimited { .. } => "rate-limited",
             Self::ServiceUnavailable | Self::NotPostedNow(_) => "service-unavailable",
+            Self::Rejected(rejection) => rejection.problem().slug,
             Self::Internal => "internal-error",
         }
     }
@@ -171,6 +178,7 @@ impl ApiError {
             Self::InsufficientFunds => "Insufficient funds",
             Self::RateLimited { .. } => "Too many requests",
             Self::ServiceUnavailable | Self::NotPostedNow(_) => "Service unavailable",
+            Self::Rejected(rejection) => rejection.problem().title,
             Self::Internal => "Internal server error",
         }
     }
@@ -199,6 +207,7 @@ impl ApiError {
             }
             Self::IdempotencyKeyReused => Rejection::KeyReused.problem().detail,
             Self::InsufficientFunds => Rejection::InsufficientFunds.problem().detail,
+            Self::Rejected(rejection) => rejection.problem().detail,
             Self::ServiceUnavailable | Self::NotPostedNow(_) => {
                 format!("{self}; retry with the same idempotency key, it is safe")
             }
@@ -310,7 +319,8 @@ impl From<TransferError> for ApiError {
                 param: invalid.param,
                 detail: invalid.detail,
             },
-            TransferError::SourceNotFound => Self::NotFound,
+            TransferError::SourceNotFound | TransferError::NotFound => Self::NotFound,
+            TransferError::Refused(rejection) => Self::Rejected(rejection),
             TransferError::KeyReused => Self::IdempotencyKeyReused,
             TransferError::InFlight => Self::RequestInFlight {
                 retry_after_secs: IN_FLIGHT_RETRY_AFTER_SECS,

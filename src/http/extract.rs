@@ -121,24 +121,53 @@ impl<T: DeserializeOwned> FromRequest<AppState> for StrictJson<T> {
         if !is_json_content_type(req.headers()) {
             return Err(ApiError::UnsupportedMediaType);
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::PayloadTooLarge
-            } else {
-                ApiError::MalformedRequest {
-                    detail: "the request body could not be read".to_owned(),
-                    param: None,
-                }
-            }
-        })?;
-        let mut json = serde_json::Deserializer::from_slice(&bytes);
-        let parsed: T = serde_path_to_error::deserialize(&mut json).map_err(malformed)?;
-        json.end().map_err(|e| ApiError::MalformedRequest {
-            detail: json_error_detail(&e),
-            param: None,
-        })?;
-        Ok(StrictJson(parsed))
+        let bytes = body_bytes(req, state).await?;
+        parse_strict(&bytes).map(StrictJson)
     }
+}
+
+/// [`StrictJson`], except that an empty body is `T::default()`: for a
+/// request whose every field is optional (`POST /transfers/{id}/void`),
+/// so a client may send no body at all.
+pub struct StrictJsonOrEmpty<T>(pub T);
+
+impl<T: DeserializeOwned + Default> FromRequest<AppState> for StrictJsonOrEmpty<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let json = is_json_content_type(req.headers());
+        let bytes = body_bytes(req, state).await?;
+        if bytes.is_empty() {
+            return Ok(Self(T::default()));
+        }
+        if !json {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+        parse_strict(&bytes).map(StrictJsonOrEmpty)
+    }
+}
+
+async fn body_bytes(req: Request, state: &AppState) -> Result<Bytes, ApiError> {
+    Bytes::from_request(req, state).await.map_err(|rejection| {
+        if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge
+        } else {
+            ApiError::MalformedRequest {
+                detail: "the request body could not be read".to_owned(),
+                param: None,
+            }
+        }
+    })
+}
+
+fn parse_strict<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let mut json = serde_json::Deserializer::from_slice(bytes);
+    let parsed: T = serde_path_to_error::deserialize(&mut json).map_err(malformed)?;
+    json.end().map_err(|e| ApiError::MalformedRequest {
+        detail: json_error_detail(&e),
+        param: None,
+    })?;
+    Ok(parsed)
 }
 
 /// A body that does not deserialise, with the field at fault: the path

@@ -102,6 +102,17 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .route("/transfers", post(transfers::create).get(transfers::list))
         .route("/transfers/{transfer_id}", get(transfers::get))
+        .route(
+            "/transfers/{transfer_id}/post",
+            post(transfers::post_pending),
+        )
+        .route(
+            "/transfers/{transfer_id}/void",
+            post(transfers::void_pending),
+        )
+        .route("/transfers/{transfer_id}/reverse", post(transfers::reverse))
+        .route("/transfer-batches", post(transfers::create_batch))
+        .route("/transfer-batches/{batch_id}", get(transfers::get_batch))
         .route("/idempotency-keys/{key}", get(keys::get))
         .route("/idempotency-keys/{key}/cancel", post(keys::cancel))
         .route("/accounts/{account_id}", get(accounts::get))

@@ -12,13 +12,14 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::error::ApiError;
-use super::extract::{PathParam, Principal, RequestIdHeader, StrictJson};
+use super::extract::{PathParam, Principal, RequestIdHeader, StrictJson, StrictJsonOrEmpty};
 use super::{AppState, paging};
 use crate::idempotency::{IdempotencyKey, StoredResponse};
 use crate::ledger;
 use crate::transfers::TransferAnswer;
 use crate::transfers::intent::TransferBody;
-use crate::transfers::render::{self, TransferView, render_transfer};
+use crate::transfers::lifecycle::{BatchBody, PostBody, ReverseBody, VoidBody};
+use crate::transfers::render::{self, TransferView};
 
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
@@ -39,6 +40,93 @@ pub async fn create(
     #[cfg(feature = "failpoints")]
     fail::fail_point!("transfer::before_response");
     Ok(answer_response(answer))
+}
+
+/// `POST /transfers/{transfer_id}/post`: posts a pending transfer.
+pub async fn post_pending(
+    State(state): State<AppState>,
+    principal: Principal,
+    key: IdempotencyKey,
+    PathParam(transfer_id): PathParam,
+    RequestIdHeader(request_id): RequestIdHeader,
+    StrictJsonOrEmpty(body): StrictJsonOrEmpty<PostBody>,
+) -> Result<Response, ApiError> {
+    let answer = state
+        .transfers
+        .post_hold(principal.id, key, &transfer_id, &body, request_id)
+        .await?;
+    Ok(answer_response(answer))
+}
+
+/// `POST /transfers/{transfer_id}/void`: releases a pending transfer.
+pub async fn void_pending(
+    State(state): State<AppState>,
+    principal: Principal,
+    key: IdempotencyKey,
+    PathParam(transfer_id): PathParam,
+    RequestIdHeader(request_id): RequestIdHeader,
+    StrictJsonOrEmpty(VoidBody {}): StrictJsonOrEmpty<VoidBody>,
+) -> Result<Response, ApiError> {
+    let answer = state
+        .transfers
+        .void_hold(principal.id, key, &transfer_id, request_id)
+        .await?;
+    Ok(answer_response(answer))
+}
+
+/// `POST /transfers/{transfer_id}/reverse`: gives a posted transfer back.
+pub async fn reverse(
+    State(state): State<AppState>,
+    principal: Principal,
+    key: IdempotencyKey,
+    PathParam(transfer_id): PathParam,
+    RequestIdHeader(request_id): RequestIdHeader,
+    StrictJsonOrEmpty(body): StrictJsonOrEmpty<ReverseBody>,
+) -> Result<Response, ApiError> {
+    let answer = state
+        .transfers
+        .reverse_transfer(principal.id, key, &transfer_id, &body, request_id)
+        .await?;
+    Ok(answer_response(answer))
+}
+
+/// `POST /transfer-batches`: transfers that all post or none does.
+pub async fn create_batch(
+    State(state): State<AppState>,
+    principal: Principal,
+    key: IdempotencyKey,
+    RequestIdHeader(request_id): RequestIdHeader,
+    StrictJson(body): StrictJson<BatchBody>,
+) -> Result<Response, ApiError> {
+    let answer = state
+        .transfers
+        .create_batch(principal.id, key, &body, request_id)
+        .await?;
+    Ok(answer_response(answer))
+}
+
+/// `GET /transfer-batches/{batch_id}`: the batch its maker asked for, the
+/// same bytes its 201 had (legs never change).
+#[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
+pub async fn get_batch(
+    State(state): State<AppState>,
+    principal: Principal,
+    PathParam(batch_id): PathParam,
+) -> Result<Response, ApiError> {
+    let id = Uuid::parse_str(&batch_id).map_err(|_| ApiError::NotFound)?;
+    let mut conn = state.transfers.pool.acquire().await?;
+    let (batch, legs) = ledger::reversals::get_batch(&mut conn, id)
+        .await?
+        .filter(|(batch, _)| batch.principal_id == principal.id)
+        .ok_or(ApiError::NotFound)?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        render::render_batch(&batch, &legs),
+    )
+        .into_response())
 }
 
 /// A stored answer as sent: its status, its stored headers and its exact
@@ -70,26 +158,35 @@ pub async fn get(
 ) -> Result<Response, ApiError> {
     let pool = &state.transfers.pool;
     let id = Uuid::parse_str(&transfer_id).map_err(|_| ApiError::NotFound)?;
-    let transfer = ledger::repo::get_transfer(pool, id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
-    let accounts = ledger::repo::get_accounts(
-        pool,
-        &[transfer.from_account.as_str(), transfer.to_account.as_str()],
-    )
-    .await?;
+    let transfer = ledger::repo::get_transfer(pool, id).await?;
+    // A transfer that began as a hold is shown with its hold, whatever its
+    // status; the hold's row exists from the start.
+    let hold = ledger::holds::get(pool, id).await?;
+    let (from, to) = match (&hold, &transfer) {
+        (Some(h), _) => (h.from_account.as_str(), h.to_account.as_str()),
+        (None, Some(t)) => (t.from_account.as_str(), t.to_account.as_str()),
+        (None, None) => return Err(ApiError::NotFound),
+    };
+    let accounts = ledger::repo::get_accounts(pool, &[from, to]).await?;
     if !accounts
         .iter()
         .any(|a| a.principal_id == Some(principal.id))
     {
         return Err(ApiError::NotFound);
     }
+    let body = match &hold {
+        Some(hold) => render::render_hold_current(hold, transfer.as_ref()),
+        None => transfer
+            .as_ref()
+            .map(render::render_current)
+            .unwrap_or_default(),
+    };
     Ok((
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         )],
-        render_transfer(&transfer),
+        body,
     )
         .into_response())
 }
@@ -179,7 +276,7 @@ pub async fn list(
         .then(|| rows.last().map(|t| encode_cursor(t.id)))
         .flatten();
     let page = TransfersPage {
-        transfers: rows.iter().map(render::view).collect(),
+        transfers: rows.iter().map(render::current_view).collect(),
         next_cursor,
     };
     Ok(Json(page).into_response())

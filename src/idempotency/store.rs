@@ -798,8 +798,17 @@ async fn purge_batches(pool: &PgPool, batch_rows: i64) -> Result<Purged, sqlx::E
                    AND (idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
                         OR status = 'CANCELLED'
                         OR (status = 'COMPLETED'
-                            AND CASE WHEN response_status < 400 THEN transfer_id IS NOT NULL
-                                     ELSE problem_type IS NOT NULL AND request_id IS NOT NULL END))
+                            AND CASE WHEN response_status < 400
+                                     -- A success is rebuilt from its transfer: only an
+                                     -- immediate transfer's 201 renders from the
+                                     -- transfer alone. Answers about holds keep their
+                                     -- bytes until their retention ends.
+                                     THEN transfer_id IS NOT NULL AND request_path = '/transfers'
+                                          AND NOT EXISTS (SELECT 1 FROM holds h
+                                                          WHERE h.id = idempotency_keys.transfer_id)
+                                     -- A batch's refusal names its leg: not rebuilt.
+                                     ELSE problem_type IS NOT NULL AND request_id IS NOT NULL
+                                          AND request_path <> '/transfer-batches' END))
                  ORDER BY expires_at
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED

@@ -2,9 +2,11 @@
 //! nothing of HTTP or of idempotency records; callers hand it a connection
 //! inside their transaction.
 
+pub mod holds;
 pub mod money;
 pub mod plan;
 pub mod repo;
+pub mod reversals;
 
 use uuid::Uuid;
 
@@ -33,6 +35,10 @@ pub enum LedgerError {
     /// under the accounts' locks; the caller must roll back.
     #[error("posting statement disagreed with its plan: {0}")]
     PlanMismatch(#[from] PlanMismatch),
+    /// A hold this transaction locked as pending was not (an invariant
+    /// broken: its row lock keeps others from changing it).
+    #[error("hold {0} is no longer pending")]
+    HoldNotPending(Uuid),
     #[error("database error")]
     Database(#[from] sqlx::Error),
 }
@@ -48,4 +54,8 @@ pub enum PlanMismatch {
     MissingEntries(Uuid),
     #[error("transfer {0} has entries out of order")]
     EntryOrder(Uuid),
+    /// A value read back from the database that its constraints should
+    /// have kept valid.
+    #[error("{0}")]
+    StoredValue(String),
 }

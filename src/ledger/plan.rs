@@ -62,7 +62,7 @@ pub fn plan(
         }
         let amount = request.amount.get();
         let source = &accounts[from];
-        if !source.allow_negative && source.balance_minor < amount {
+        if !source.allow_negative && source.available_minor() < amount {
             plans.push(Plan::InsufficientFunds);
             continue;
         }
@@ -78,7 +78,7 @@ pub fn plan(
         accounts[from].balance_minor = debited;
         accounts[to].balance_minor = credited;
         plans.push(Plan::Post(Planned {
-            id: Uuid::now_v7(),
+            id: request.transfer_id.unwrap_or_else(Uuid::now_v7),
             receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
             debit_balance_after: debited,
             credit_balance_after: credited,
@@ -138,6 +138,7 @@ mod tests {
             principal_id: None,
             currency: "USD".to_owned(),
             balance_minor,
+            held_minor: 0,
             allow_negative,
         }
     }
@@ -161,6 +162,7 @@ mod tests {
             amount: AmountMinor::parse(amount).unwrap_or_else(|e| panic!("{e}")),
             currency,
             description: None,
+            transfer_id: None,
         }
     }
 

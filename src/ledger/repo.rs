@@ -16,7 +16,17 @@ pub struct Account {
     pub principal_id: Option<PrincipalId>,
     pub currency: String,
     pub balance_minor: i64,
+    /// The sum of the account's pending holds: reserved, not yet moved.
+    pub held_minor: i64,
     pub allow_negative: bool,
+}
+
+impl Account {
+    /// What the account may still spend: its balance less what its
+    /// pending holds reserve.
+    pub fn available_minor(&self) -> i64 {
+        self.balance_minor.saturating_sub(self.held_minor)
+    }
 }
 
 /// A posted transfer with the two entries that moved its money.
@@ -36,6 +46,12 @@ pub struct Transfer {
     pub created_at: DateTime<Utc>,
     pub debit_entry_id: i64,
     pub credit_entry_id: i64,
+    /// The transfer this one reverses.
+    pub reverses: Option<Uuid>,
+    /// How much of this transfer its reversals gave back.
+    pub reversed_minor: i64,
+    /// The atomic batch it was posted in.
+    pub batch_id: Option<Uuid>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -63,6 +79,9 @@ pub struct PostingRequest<'a> {
     pub amount: AmountMinor,
     pub currency: &'a Currency,
     pub description: Option<&'a Description>,
+    /// The id the transfer is posted under: a hold's, when it posts a
+    /// hold; a fresh one otherwise.
+    pub transfer_id: Option<Uuid>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,7 +152,8 @@ macro_rules! select_transfer {
     () => {
         "SELECT t.id, t.principal_id, t.idempotency_key, t.request_fingerprint, t.from_account, t.to_account,
                 t.currency, t.amount_minor, t.description, t.status, t.receipt_id, t.created_at,
-                d.id AS debit_entry_id, c.id AS credit_entry_id
+                d.id AS debit_entry_id, c.id AS credit_entry_id, t.reverses, t.reversed_minor,
+                t.batch_id
          FROM transfers t
          JOIN ledger_entries d ON d.transfer_id = t.id AND d.account_id = t.from_account
          JOIN ledger_entries c ON c.transfer_id = t.id AND c.account_id = t.to_account"
@@ -341,6 +361,9 @@ fn written_transfer(
         created_at,
         debit_entry_id,
         credit_entry_id,
+        reverses: None,
+        reversed_minor: 0,
+        batch_id: None,
     })
 }
 
@@ -481,11 +504,11 @@ pub async fn lock_accounts(
 ) -> Result<Vec<Account>, sqlx::Error> {
     let query = match mode {
         LockMode::Wait => {
-            "SELECT id, principal_id, currency, balance_minor, allow_negative
+            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative
              FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE"
         }
         LockMode::SkipLocked => {
-            "SELECT id, principal_id, currency, balance_minor, allow_negative
+            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative
              FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED"
         }
     };
@@ -532,7 +555,7 @@ async fn find_by_keys(
     Ok(found)
 }
 
-async fn find_by_key(
+pub(crate) async fn find_by_key(
     conn: &mut PgConnection,
     principal_id: Option<PrincipalId>,
     idempotency_key: &str,
@@ -620,6 +643,20 @@ pub async fn account_ids_of<'e>(
         .await
 }
 
+/// A batch's legs, in their order.
+pub async fn transfers_of_batch<'e>(
+    executor: impl PgExecutor<'e>,
+    batch_id: Uuid,
+) -> Result<Vec<Transfer>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        select_transfer!(),
+        " WHERE t.batch_id = $1 ORDER BY t.batch_leg"
+    ))
+    .bind(batch_id)
+    .fetch_all(executor)
+    .await
+}
+
 pub async fn get_transfer<'e>(
     executor: impl PgExecutor<'e>,
     id: Uuid,
@@ -635,7 +672,7 @@ pub async fn get_account<'e>(
     id: &str,
 ) -> Result<Option<Account>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, allow_negative FROM accounts WHERE id = $1",
+        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative FROM accounts WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(executor)
@@ -650,7 +687,7 @@ pub async fn get_accounts<'e>(
     ids: &[&str],
 ) -> Result<Vec<Account>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, allow_negative FROM accounts WHERE id = ANY($1)",
+        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative FROM accounts WHERE id = ANY($1)",
     )
     .bind(ids)
     .fetch_all(executor)

@@ -20,7 +20,22 @@ pub struct TransferBody {
     pub currency: String,
     #[serde(default)]
     pub description: Option<String>,
+    /// `immediate` (the default) or `pending`: a hold, posted or voided later.
+    #[serde(default)]
+    pub mode: Option<String>,
+    /// A pending transfer's life, in seconds (default
+    /// [`HOLD_EXPIRES_IN_DEFAULT_SECS`]); only with `mode: pending`.
+    #[serde(default)]
+    pub expires_in_seconds: Option<i64>,
 }
+
+/// How long a hold lasts when the request does not say: a week, about what
+/// a card authorisation lives.
+pub const HOLD_EXPIRES_IN_DEFAULT_SECS: i64 = 7 * 24 * 3600;
+
+/// The longest a hold may last: thirty days. Money reserved longer than
+/// that is better moved to an escrow account.
+pub const HOLD_EXPIRES_IN_MAX_SECS: i64 = 30 * 24 * 3600;
 
 /// Why a request was refused before its key was claimed: such a refusal
 /// never touches `idempotency_keys`, so a corrected request may reuse the key.
@@ -33,6 +48,9 @@ pub enum ValidationKind {
     InvalidAccountId,
     UnknownDestination,
     InvalidDescription,
+    InvalidMode,
+    InvalidExpiry,
+    InvalidBatch,
 }
 
 impl ValidationKind {
@@ -46,6 +64,9 @@ impl ValidationKind {
             Self::InvalidAccountId => "invalid-account-id",
             Self::UnknownDestination => "unknown-destination",
             Self::InvalidDescription => "invalid-description",
+            Self::InvalidMode => "invalid-mode",
+            Self::InvalidExpiry => "invalid-expiry",
+            Self::InvalidBatch => "invalid-batch",
         }
     }
 
@@ -58,6 +79,9 @@ impl ValidationKind {
             Self::InvalidAccountId => "Invalid account id",
             Self::UnknownDestination => "Unknown destination account",
             Self::InvalidDescription => "Invalid description",
+            Self::InvalidMode => "Invalid mode",
+            Self::InvalidExpiry => "Invalid expiry",
+            Self::InvalidBatch => "Invalid batch",
         }
     }
 }
@@ -91,6 +115,15 @@ pub struct TransferIntent {
     pub amount: AmountMinor,
     pub currency: Currency,
     pub description: Option<Description>,
+    /// Set for a pending transfer (a hold): how long it lasts.
+    pub hold: Option<HoldTerms>,
+}
+
+/// What makes a transfer pending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldTerms {
+    /// 1 to [`HOLD_EXPIRES_IN_MAX_SECS`].
+    pub expires_in_seconds: i64,
 }
 
 /// The canonical form that is hashed: fixed field order, typed values, no
@@ -103,6 +136,12 @@ struct CanonicalTransfer<'a> {
     amount_minor: i64,
     currency: &'a str,
     description: Option<&'a str>,
+    // Absent for an immediate transfer, so its fingerprint is what it was
+    // before holds existed (stored keys keep matching their retries).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_in_seconds: Option<i64>,
 }
 
 impl TransferIntent {
@@ -148,12 +187,14 @@ impl TransferIntent {
                     e.to_string(),
                 )
             })?;
+        let hold = hold_terms(body)?;
         Ok(Self {
             from,
             to,
             amount,
             currency,
             description,
+            hold,
         })
     }
 
@@ -164,6 +205,8 @@ impl TransferIntent {
             amount_minor: self.amount.get(),
             currency: self.currency.as_str(),
             description: self.description.as_ref().map(Description::as_str),
+            mode: self.hold.map(|_| "pending"),
+            expires_in_seconds: self.hold.map(|h| h.expires_in_seconds),
         };
         // Serialising strings and an integer into a Vec cannot fail.
         serde_json::to_vec(&canonical).unwrap_or_default()
@@ -171,6 +214,43 @@ impl TransferIntent {
 
     pub fn fingerprint(&self) -> Fingerprint {
         Fingerprint::compute("POST", ROUTE, &self.canonical_bytes())
+    }
+}
+
+/// `mode` and `expires_in_seconds`: a default expiry is the same intent as
+/// one spelled out.
+fn hold_terms(body: &TransferBody) -> Result<Option<HoldTerms>, Invalid> {
+    let pending = match body.mode.as_deref() {
+        None | Some("immediate") => false,
+        Some("pending") => true,
+        Some(_) => {
+            return Err(Invalid::new(
+                ValidationKind::InvalidMode,
+                "mode",
+                "mode must be immediate or pending",
+            ));
+        }
+    };
+    match (pending, body.expires_in_seconds) {
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(Invalid::new(
+            ValidationKind::InvalidExpiry,
+            "expires_in_seconds",
+            "only a pending transfer expires: send mode pending with expires_in_seconds",
+        )),
+        (true, secs) => {
+            let secs = secs.unwrap_or(HOLD_EXPIRES_IN_DEFAULT_SECS);
+            if !(1..=HOLD_EXPIRES_IN_MAX_SECS).contains(&secs) {
+                return Err(Invalid::new(
+                    ValidationKind::InvalidExpiry,
+                    "expires_in_seconds",
+                    format!("expires_in_seconds must be between 1 and {HOLD_EXPIRES_IN_MAX_SECS}"),
+                ));
+            }
+            Ok(Some(HoldTerms {
+                expires_in_seconds: secs,
+            }))
+        }
     }
 }
 
@@ -221,6 +301,68 @@ mod tests {
             r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","description":""}"#,
         ] {
             assert_ne!(base, fingerprint(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn an_immediate_transfer_keeps_the_fingerprint_it_had_before_holds() {
+        let base = r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD"}"#;
+        assert_eq!(
+            fingerprint(base),
+            fingerprint(
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"immediate"}"#
+            )
+        );
+        // The canonical bytes of the previous version, spelled out.
+        assert_eq!(
+            fingerprint(base),
+            Fingerprint::compute(
+                "POST",
+                ROUTE,
+                br#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","description":null}"#
+            )
+        );
+    }
+
+    #[test]
+    fn a_pending_transfer_is_another_intent_and_its_default_expiry_is_spelled_out() {
+        let immediate = r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD"}"#;
+        let pending =
+            r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"pending"}"#;
+        assert_ne!(fingerprint(immediate), fingerprint(pending));
+        let week = format!(
+            r#"{{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"pending","expires_in_seconds":{HOLD_EXPIRES_IN_DEFAULT_SECS}}}"#
+        );
+        assert_eq!(fingerprint(pending), fingerprint(&week));
+        let hour = r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"pending","expires_in_seconds":3600}"#;
+        assert_ne!(fingerprint(pending), fingerprint(hour));
+    }
+
+    #[test]
+    fn modes_and_expiries_out_of_their_bounds_are_refused() {
+        for (json, kind) in [
+            (
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"later"}"#,
+                ValidationKind::InvalidMode,
+            ),
+            (
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","expires_in_seconds":60}"#,
+                ValidationKind::InvalidExpiry,
+            ),
+            (
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"pending","expires_in_seconds":0}"#,
+                ValidationKind::InvalidExpiry,
+            ),
+            (
+                r#"{"from":"acc_1","to":"acc_2","amount_minor":5,"currency":"USD","mode":"pending","expires_in_seconds":2592001}"#,
+                ValidationKind::InvalidExpiry,
+            ),
+        ] {
+            assert_eq!(
+                TransferIntent::parse(&body(json)).map_err(|e| e.kind),
+                Err(kind),
+                "{json}"
+            );
         }
     }
 

@@ -14,6 +14,7 @@
 pub mod checks;
 pub mod intent;
 pub mod keys;
+pub mod lifecycle;
 pub mod posting;
 pub mod render;
 pub mod scheduler;
@@ -30,7 +31,8 @@ use crate::caches::Caches;
 use crate::db::replication::Replication;
 use crate::db::{self, KeyPool};
 use crate::idempotency::{
-    Answer, ClaimOutcome, Fingerprint, IdempotencyKey, Outcome, Policy, StoredResponse, store,
+    Answer, Claim, ClaimOutcome, Fingerprint, IdempotencyKey, Outcome, Policy, StoredResponse,
+    store,
 };
 use crate::ledger;
 use crate::principal::PrincipalId;
@@ -74,10 +76,24 @@ impl TransferAnswer {
 pub enum Rejection {
     InsufficientFunds,
     KeyReused,
+    /// A post or void of a transfer that is no longer pending (or never
+    /// was).
+    NotPending,
+    /// Reversals that would give back more than the transfer moved.
+    ReversalExceedsTransfer,
+    /// A reversal of a transfer that is not posted (still pending, voided
+    /// or expired): refused before the claim.
+    NotPosted,
 }
 
 impl Rejection {
-    const ALL: [Self; 2] = [Self::InsufficientFunds, Self::KeyReused];
+    const ALL: [Self; 5] = [
+        Self::InsufficientFunds,
+        Self::KeyReused,
+        Self::NotPending,
+        Self::ReversalExceedsTransfer,
+        Self::NotPosted,
+    ];
 
     /// The rejection whose problem type has this slug.
     pub fn from_slug(slug: &str) -> Option<Self> {
@@ -101,6 +117,30 @@ impl Rejection {
                  for a new transfer, or resend the original body to get the original result",
             )
             .with_param("Idempotency-Key"),
+            // Fixed text: a refusal compacted past its TTL is rebuilt to the
+            // same bytes. The transfer itself says what became of it.
+            Self::NotPending => Problem::new(
+                "transfer-not-pending",
+                "Transfer not pending",
+                StatusCode::CONFLICT,
+                "only a pending transfer can be posted or voided, and this one is not: it was \
+                 posted, voided or expired (GET /transfers/{transfer_id} says which); nothing moved",
+            ),
+            Self::ReversalExceedsTransfer => Problem::new(
+                "reversal-exceeds-transfer",
+                "Reversal exceeds the transfer",
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "the reversals of a transfer cannot give back more than it moved; \
+                 GET /transfers/{transfer_id} shows reversed_minor, what was given back so far",
+            )
+            .with_param("amount_minor"),
+            Self::NotPosted => Problem::new(
+                "transfer-not-posted",
+                "Transfer not posted",
+                StatusCode::CONFLICT,
+                "only a posted transfer can be reversed; a pending one is voided instead, and a \
+                 voided or expired one moved nothing",
+            ),
         }
     }
 }
@@ -114,6 +154,13 @@ pub enum TransferError {
     /// are indistinguishable to the caller).
     #[error("not found")]
     SourceNotFound,
+    /// The transfer named in the path is not the caller's to act on (or
+    /// does not exist).
+    #[error("not found")]
+    NotFound,
+    /// Refused before the claim, for a reason that will not change.
+    #[error("refused: {0:?}")]
+    Refused(Rejection),
     /// The key was used for another request.
     #[error("idempotency key reused")]
     KeyReused,
@@ -190,6 +237,10 @@ pub struct Transfers {
     pub replication: Arc<Replication>,
 }
 
+/// A request's answer, and how its key was used (none when it was refused
+/// before the claim).
+type Counted = (Option<KeyOutcome>, Result<TransferAnswer, TransferError>);
+
 /// How the request's key was used, once per request, on its span and in
 /// the metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,23 +312,14 @@ impl Transfers {
         // refusal, and a column that refused it would fail a whole batch.
         let request_id =
             request_id.filter(|id| crate::problem::acceptable_request_id(id.as_bytes()));
-        let (outcome, result) = match TransferIntent::parse(body) {
+        let counted = match TransferIntent::parse(body) {
             Ok(intent) => {
                 self.create_counted(principal, key, intent, request_id)
                     .await
             }
             Err(invalid) => (None, Err(invalid.into())),
         };
-        if let Some(outcome) = outcome {
-            tracing::Span::current().record("idempotency_outcome", outcome.label());
-            telemetry::idempotency_outcome(outcome.label());
-        }
-        if let Err(e) = &result
-            && let Some(slug) = rejection_slug(e)
-        {
-            telemetry::transfer_rejected(slug);
-        }
-        result
+        record(counted)
     }
 
     async fn create_counted(
@@ -291,6 +333,18 @@ impl Transfers {
             return (None, Err(e));
         }
         let fingerprint = intent.fingerprint();
+        if intent.hold.is_some() {
+            return self
+                .keyed(
+                    principal,
+                    key,
+                    ROUTE,
+                    fingerprint,
+                    request_id,
+                    lifecycle::Operation::CreateHold(intent),
+                )
+                .await;
+        }
         // An intent completed lately is replayed from memory: no round trip.
         if let Some(stored) = self.caches.replay(principal, key.as_str(), &fingerprint) {
             return (
@@ -330,38 +384,9 @@ impl Transfers {
         admission: Admission,
         request_id: Option<String>,
     ) -> (Option<KeyOutcome>, Result<TransferAnswer, TransferError>) {
-        let claimed = store::claim(
-            &self.keys,
-            self.policy,
-            principal,
-            &key,
-            "POST",
-            ROUTE,
-            &fingerprint,
-        )
-        .await;
-        let claim = match claimed {
-            Err(e) => return (None, Err(e.into())),
-            Ok(ClaimOutcome::Replay(answer)) => {
-                let replayed = self.replay(principal, &key, &fingerprint, answer).await;
-                return (Some(KeyOutcome::Replayed), replayed);
-            }
-            Ok(ClaimOutcome::Mismatch) => {
-                return (Some(KeyOutcome::Mismatch), Err(TransferError::KeyReused));
-            }
-            Ok(ClaimOutcome::InFlight { .. }) => {
-                return (Some(KeyOutcome::InFlight), Err(TransferError::InFlight));
-            }
-            Ok(ClaimOutcome::Cancelled { request_id }) => {
-                // Like a replay: the refusal promises the intent never
-                // executes, so it waits for the standby to have the tombstone.
-                let refusal = match self.confirm_replicated().await {
-                    Ok(()) => TransferError::Cancelled { request_id },
-                    Err(_) => TransferError::Retryable(RetryReason::NotReplicated),
-                };
-                return (Some(KeyOutcome::Cancelled), Err(refusal));
-            }
-            Ok(ClaimOutcome::Claimed(claim)) => claim,
+        let claim = match self.claim_key(principal, &key, ROUTE, &fingerprint).await {
+            Ok(claim) => claim,
+            Err(decided) => return decided,
         };
         #[cfg(feature = "failpoints")]
         fail::fail_point!("transfer::after_claim");
@@ -383,6 +408,50 @@ impl Transfers {
             Err(_) => KeyOutcome::Failed,
         };
         (Some(outcome), result)
+    }
+
+    /// Claims the key for this request, or answers with what the key's
+    /// record already decided: a replay, 422, 409 in flight, cancelled.
+    async fn claim_key(
+        &self,
+        principal: PrincipalId,
+        key: &IdempotencyKey,
+        route: &'static str,
+        fingerprint: &Fingerprint,
+    ) -> Result<Claim, Counted> {
+        let claimed = store::claim(
+            &self.keys,
+            self.policy,
+            principal,
+            key,
+            "POST",
+            route,
+            fingerprint,
+        )
+        .await;
+        match claimed {
+            Err(e) => Err((None, Err(e.into()))),
+            Ok(ClaimOutcome::Replay(answer)) => {
+                let replayed = self.replay(principal, key, fingerprint, answer).await;
+                Err((Some(KeyOutcome::Replayed), replayed))
+            }
+            Ok(ClaimOutcome::Mismatch) => {
+                Err((Some(KeyOutcome::Mismatch), Err(TransferError::KeyReused)))
+            }
+            Ok(ClaimOutcome::InFlight { .. }) => {
+                Err((Some(KeyOutcome::InFlight), Err(TransferError::InFlight)))
+            }
+            Ok(ClaimOutcome::Cancelled { request_id }) => {
+                // Like a replay: the refusal promises the intent never
+                // executes, so it waits for the standby to have the tombstone.
+                let refusal = match self.confirm_replicated().await {
+                    Ok(()) => TransferError::Cancelled { request_id },
+                    Err(_) => TransferError::Retryable(RetryReason::NotReplicated),
+                };
+                Err((Some(KeyOutcome::Cancelled), Err(refusal)))
+            }
+            Ok(ClaimOutcome::Claimed(claim)) => Ok(claim),
+        }
     }
 
     /// Posts a transfer whose key this caller claimed, and answers for it:
@@ -568,11 +637,28 @@ impl From<PostingFailure> for TransferError {
     }
 }
 
+/// Notes how the request's key was used (on its span and in the metrics)
+/// and what refused it before the claim.
+fn record(counted: Counted) -> Result<TransferAnswer, TransferError> {
+    let (outcome, result) = counted;
+    if let Some(outcome) = outcome {
+        tracing::Span::current().record("idempotency_outcome", outcome.label());
+        telemetry::idempotency_outcome(outcome.label());
+    }
+    if let Err(e) = &result
+        && let Some(slug) = rejection_slug(e)
+    {
+        telemetry::transfer_rejected(slug);
+    }
+    result
+}
+
 /// Requests refused before their key was claimed, by problem type.
 fn rejection_slug(e: &TransferError) -> Option<&'static str> {
     match e {
         TransferError::Invalid(invalid) => Some(invalid.kind.slug()),
-        TransferError::SourceNotFound => Some("not-found"),
+        TransferError::SourceNotFound | TransferError::NotFound => Some("not-found"),
+        TransferError::Refused(rejection) => Some(rejection.problem().slug),
         _ => None,
     }
 }

@@ -138,7 +138,7 @@ pub enum PostingFailure {
 }
 
 impl PostingFailure {
-    fn of(error: &sqlx::Error) -> Self {
+    pub(crate) fn of(error: &sqlx::Error) -> Self {
         match db::classify(error) {
             Failure::LockTimeout => Self::LockTimeout,
             f if f.is_retryable() => Self::Unavailable,
@@ -190,6 +190,7 @@ impl ClaimedTransfer {
             amount: self.intent.amount,
             currency: &self.intent.currency,
             description: self.intent.description.as_ref(),
+            transfer_id: None,
         }
     }
 }

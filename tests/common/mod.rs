@@ -178,6 +178,21 @@ impl TestApp {
         Reply::read(response).await
     }
 
+    /// A keyed `POST` of a JSON body to any path.
+    pub async fn post_json(&self, token: &str, key: &str, path: &str, body: &Value) -> Reply {
+        let response = self
+            .client
+            .post(self.url(path))
+            .bearer_auth(token)
+            .header("Idempotency-Key", key)
+            .header("Content-Type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("request sent");
+        Reply::read(response).await
+    }
+
     pub async fn get(&self, token: &str, path: &str) -> Reply {
         let response = self
             .client
@@ -494,6 +509,20 @@ pub async fn assert_ledger_consistent(pool: &PgPool) {
     let report = nexo_transfers::reconcile::run_ledger_checks(pool)
         .await
         .expect("reconciliation runs");
+    assert!(report.ok, "the ledger does not reconcile:\n{report}");
+}
+
+/// Every check the reconciliation runs (ledger, holds, reversals and key
+/// records), with the default key TTL.
+pub async fn assert_reconciles(pool: &PgPool) {
+    let report = nexo_transfers::reconcile::run(
+        pool,
+        nexo_transfers::reconcile::Options {
+            key_ttl: default_policy().ttl,
+        },
+    )
+    .await
+    .expect("reconciliation runs");
     assert!(report.ok, "the ledger does not reconcile:\n{report}");
 }
 

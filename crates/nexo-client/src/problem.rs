@@ -112,6 +112,20 @@ problem_types! {
     UnknownDestination = "unknown-destination",
     /// 422: a description over 140 characters or with control characters.
     InvalidDescription = "invalid-description",
+    /// 422: `mode` is not `immediate` or `pending` (or a batch's transfer
+    /// is pending).
+    InvalidMode = "invalid-mode",
+    /// 422: `expires_in_seconds` out of 1 to 30 days, or without `mode:
+    /// pending`.
+    InvalidExpiry = "invalid-expiry",
+    /// 422: a batch with no transfers or more than 100.
+    InvalidBatch = "invalid-batch",
+    /// 409: a post or void of a transfer that is no longer pending; stored.
+    TransferNotPending = "transfer-not-pending",
+    /// 409: a reversal of a transfer that was never posted.
+    TransferNotPosted = "transfer-not-posted",
+    /// 422: reversals beyond what the transfer moved; stored.
+    ReversalExceedsTransfer = "reversal-exceeds-transfer",
     /// 400: a bad query parameter on a listing.
     InvalidQuery = "invalid-query",
     /// 404: no such resource, or another principal's.
