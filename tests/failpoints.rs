@@ -37,9 +37,12 @@ const AFTER_CLAIM: Moment = Moment {
 
 const IN_LEDGER_TRANSACTION: Moment = Moment {
     failpoint: "posting::before_commit",
-    // The posting is written, uncommitted, and the connection waits.
+    // The posting is written and its key completed, uncommitted, and the
+    // connection waits (the completion is its last statement: another
+    // transaction idle for a moment, the hold expiry's, is not it).
     reached: "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND state = 'idle in transaction'",
+              WHERE datname = current_database() AND state = 'idle in transaction'
+                AND query LIKE 'UPDATE idempotency_keys%'",
     committed: false,
 };
 
