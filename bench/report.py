@@ -14,10 +14,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SCENARIOS = ["new", "replay", "storm", "hot", "mixed"]
+SCENARIOS = ["new", "replay", "storm", "hot", "hold", "mixed"]
 CEILINGS = ["new", "hot", "read"]
 # Which ceiling each scenario is held against.
-CEILING_OF = {"new": "new", "replay": "read", "storm": "new", "hot": "hot", "mixed": "new"}
+CEILING_OF = {"new": "new", "replay": "read", "storm": "new", "hot": "hot", "hold": "hot", "mixed": "new"}
 RSS_LIMIT_MIB = 100
 
 
@@ -93,6 +93,12 @@ def checks(r):
     if c.get("writes_during_replay") is False:
         text += ", no writes"
     return text
+
+
+def holds_posted_per_s(r):
+    """Transfers a `hold` run moved: its posts answered 200 (first or replayed), per second."""
+    posted = sum(v for k, v in r["statuses"].items() if k.split()[0] == "200")
+    return posted / r["measured_s"] if r["measured_s"] else 0.0
 
 
 def main():
@@ -180,7 +186,9 @@ def main():
     add("")
     add("A fresh server process per point; `ratio` is the server's throughput over the pgbench variant it")
     add("is held against at the same number of clients (`new`, `storm`, `mixed`: pgbench new; `replay`:")
-    add("pgbench read; `hot`: pgbench hot). Peak memory is the server's `VmHWM`. After every point the load")
+    add("pgbench read; `hot`, `hold`: pgbench hot). `hold` makes every transfer as a hold on the hot account")
+    add("and then posts it: two requests (each one transaction that locks the hot account, as a pgbench hot")
+    add("transaction does), each under its own key. Peak memory is the server's `VmHWM`. After every point the load")
     add("generator checks on the database that the ledger reconciles and that each key executed at most")
     add("once and exactly as answered.")
     add("")
@@ -236,6 +244,15 @@ def main():
             add(
                 f"| `hot` ≥ 2× the naive 8-client figure (pgbench hot, 8 clients) | {fmt(h64['throughput_rps'])}/s at 64 clients = "
                 f"{fmt(h64['throughput_rps'] / naive['tps'], 1)}× {fmt(naive['tps'])} tps | {yes(h64['throughput_rps'] >= 2 * naive['tps'])} |"
+            )
+    for c in concurrencies:
+        hot, hold = lg.get(("hot", c)), lg.get(("hold", c))
+        if hot and hold and c == max(concurrencies):
+            moved = holds_posted_per_s(hold)
+            add(
+                f"| hot account with holds: transfers moved by hold then post at {c} clients (no target: "
+                f"a figure to watch) | {fmt(moved)}/s ({fmt(hold['throughput_rps'])} req/s) = "
+                f"{fmt(moved / hot['throughput_rps'], 2)} of `hot` ({fmt(hot['throughput_rps'])}/s) | – |"
             )
     peaks = [(s, r["server"]["vm_hwm_kib"] / 1024) for (s, c), r in lg.items() if c == max(concurrencies) and r.get("server")]
     if peaks:

@@ -4,7 +4,7 @@
 # driven by the load generator for each scenario and concurrency, then
 # docs/benchmarks.md and docs/benchmarks.png from the results.
 #
-#   bench/run.sh           full run (about 10 to 15 minutes)
+#   bench/run.sh           full run (about 17 minutes)
 #   bench/run.sh --quick   short durations and fewer accounts: a smoke check
 #
 # Needs PostgreSQL (DATABASE_URL names any database on the server; a fresh
@@ -35,12 +35,12 @@ BENCH_URL="${BASE_URL%/*}/${BENCH_DB}?sslmode=${BENCH_SSLMODE}"
 ADMIN_URL="${BASE_URL%/*}/postgres"
 PORT="${BENCH_PORT:-18181}"
 CONCURRENCIES="${BENCH_CONCURRENCIES:-1 8 32 64}"
-SCENARIOS="${BENCH_SCENARIOS:-new replay storm hot mixed}"
+SCENARIOS="${BENCH_SCENARIOS:-new replay storm hot hold mixed}"
 if [ "$QUICK" = 1 ]; then
   ACCOUNTS=1000; SECONDS_PER_RUN=2; WARMUP=0.5s; READ_KEYS=1000
 else
   # 10,000 accounts as in the ceiling; 10 s per point keeps a full
-  # run (4 pgbench variants and 5 scenarios at 4 concurrencies) near 15 min.
+  # run (3 pgbench variants and 6 scenarios at 4 concurrencies) near 17 min.
   ACCOUNTS=10000; SECONDS_PER_RUN=10; WARMUP=2s; READ_KEYS=10000
 fi
 OUT="target/bench/$(date -u +%Y%m%dT%H%M%SZ)"

@@ -54,6 +54,13 @@ pub struct Args {
     pub currency: String,
     #[arg(long)]
     pub description: Option<String>,
+    /// Make a hold: reserve the amount, to be posted or voided later.
+    #[arg(long)]
+    pub pending: bool,
+    /// With `--pending`: seconds until the hold expires (the server's
+    /// default when absent).
+    #[arg(long, requires = "pending")]
+    pub expires_in_seconds: Option<i64>,
     /// Resume an intent sent earlier with this key (same body!) instead of
     /// starting a new one.
     #[arg(long)]
@@ -78,13 +85,11 @@ pub struct Finished {
 /// Sends the intent the arguments describe; writes a line per attempt and
 /// any error to `log`.
 pub async fn run(args: Args, log: Arc<Mutex<dyn Write + Send>>) -> Finished {
-    let request = TransferRequest {
-        from: args.from,
-        to: args.to,
-        amount_minor: args.amount_minor,
-        currency: args.currency,
-        description: args.description,
-    };
+    let mut request = TransferRequest::new(args.from, args.to, args.amount_minor, args.currency);
+    request.description = args.description;
+    if args.pending {
+        request = request.pending(args.expires_in_seconds);
+    }
     let intent = match args.key {
         Some(key) => TransferIntent::resume(key, request),
         None => TransferIntent::new(request),

@@ -15,6 +15,7 @@ use common::*;
 use nexo_client::{
     Attempt, AttemptResult, Client, Error, IdempotencyKey, KeyAnswer, KeyStatus, NextStep,
     PageQuery, ProblemType, Readiness, RetryPolicy, TransferIntent, TransferQuery, TransferRequest,
+    TransferStatus,
 };
 use nexo_transfers::db::KeyPool;
 use nexo_transfers::idempotency::{self, ClaimOutcome, Policy, store};
@@ -425,4 +426,92 @@ async fn a_single_attempt_is_one_request(pool: PgPool) {
     assert!(with_policy.send_transfer(&intent).await.is_err());
     assert_eq!(attempts.lock().unwrap().len(), 2);
     assert_eq!(customer_transfer_count(&app.pool).await, 0);
+}
+
+/// A hold through the library: made, posted in part with the first answer
+/// lost (the retry replays the one capture), reversed in part by the
+/// destination's owner; each step under its own key, and the ledger and
+/// the accounts' available balances agree with every answer.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_hold_is_captured_in_part_and_reversed_through_the_library(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let proxy = TcpProxy::start(app.addr).await;
+    let (payer, _) = client(&app.base, TOKEN_A);
+    let (payee, _) = client(&app.base, TOKEN_B);
+
+    let hold = TransferIntent::new(request(10_000).pending(Some(3_600)));
+    let held = payer.send_transfer(&hold).await.unwrap();
+    assert_eq!(held.status, 201);
+    assert_eq!(held.transfer.status, TransferStatus::Pending);
+    assert_eq!(held.transfer.receipt, None);
+    let reserved = held.transfer.hold.clone().expect("a hold");
+    assert_eq!(
+        (reserved.amount_minor, reserved.resolved_at),
+        (10_000, None)
+    );
+    let source = payer.get_account(A_USD).await.unwrap();
+    assert_eq!(
+        (
+            source.balance_minor,
+            source.held_minor,
+            source.available_minor
+        ),
+        (OPENING_BALANCE, 10_000, OPENING_BALANCE - 10_000)
+    );
+    assert_eq!(customer_transfer_count(&app.pool).await, 0);
+
+    // Its own client: the proxy misbehaves per connection, and the payer's
+    // connection is already open.
+    proxy.misbehave(Behaviour::DropResponse, 1);
+    let (capturer, _) = client(&proxy.base(), TOKEN_A);
+    let id = held.transfer.transfer_id;
+    let capture = TransferIntent::post_hold(id, Some(8_000));
+    let posted = capturer.send_transfer(&capture).await.unwrap();
+    assert_eq!(
+        proxy.dropped_responses().len(),
+        1,
+        "the first answer was lost"
+    );
+    assert_eq!(posted.attempts.len(), 2);
+    assert!(posted.replayed);
+    assert_eq!(posted.status, 200);
+    assert_eq!(posted.transfer.transfer_id, id);
+    assert_eq!(posted.transfer.status, TransferStatus::Posted);
+    assert_eq!(posted.transfer.amount_minor, 8_000);
+    assert!(posted.transfer.receipt.is_some());
+    assert_eq!(transfers_under(&app.pool, capture.key().as_str()).await, 1);
+    assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 8_000);
+    assert_eq!(app.balance(B_USD).await, 8_000);
+    let source = payer.get_account(A_USD).await.unwrap();
+    assert_eq!(source.held_minor, 0, "the rest of the hold is released");
+
+    let too_late = payer
+        .send_transfer(&TransferIntent::void_hold(id))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        too_late.problem_type(),
+        Some(ProblemType::TransferNotPending)
+    );
+
+    let reversal = TransferIntent::reverse(id, Some(3_000));
+    let reversed = payee.send_transfer(&reversal).await.unwrap();
+    assert_eq!(reversed.status, 201);
+    assert_eq!(reversed.transfer.reverses, Some(id));
+    assert_eq!(
+        (
+            reversed.transfer.from.as_str(),
+            reversed.transfer.to.as_str()
+        ),
+        (B_USD, A_USD)
+    );
+    let again = payee.send_transfer(&reversal).await.unwrap();
+    assert!(again.replayed);
+    assert_eq!(again.body, reversed.body);
+    assert_eq!(app.balance(A_USD).await, OPENING_BALANCE - 5_000);
+    assert_eq!(app.balance(B_USD).await, 5_000);
+    let original = payer.get_transfer(id).await.unwrap();
+    assert_eq!(original.reversed_minor, Some(3_000));
+    assert_eq!(customer_transfer_count(&app.pool).await, 2);
+    assert_reconciles(&app.pool).await;
 }

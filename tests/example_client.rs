@@ -162,3 +162,38 @@ fn a_key_the_server_would_refuse_is_a_usage_error() {
     let error = Args::try_parse_from(args).unwrap_err();
     assert_eq!(error.exit_code(), 2);
 }
+
+/// `--pending` makes a hold: the amount is reserved on the source, nothing
+/// moves, and the hold expires when asked; `--expires-in-seconds` alone is
+/// refused before anything is sent.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn pending_makes_a_hold_that_moves_nothing(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let mut args = transfer_args(&app.base, "2500");
+    args.extend(["--pending", "--expires-in-seconds", "600"]);
+
+    let (finished, log) = run(&args).await;
+
+    assert_eq!(finished.status, 0, "{log}");
+    let hold = finished.outcome.expect("a hold").transfer;
+    assert_eq!(hold.status, nexo_client::TransferStatus::Pending);
+    let reserved = hold.hold.expect("the hold's terms");
+    assert_eq!(reserved.amount_minor, 2_500);
+    let lasts = reserved.expires_at - hold.created_at;
+    assert_eq!(lasts.num_seconds(), 600);
+    let held: i64 = sqlx::query_scalar("SELECT held_minor FROM accounts WHERE id = $1")
+        .bind(A_USD)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, 2_500);
+    assert_eq!(app.balance(A_USD).await, OPENING_BALANCE);
+    assert_eq!(customer_transfer_count(&app.pool).await, 0);
+
+    let mut alone = transfer_args(&app.base, "2500");
+    alone.extend(["--expires-in-seconds", "600"]);
+    let refused =
+        Args::try_parse_from(std::iter::once("transfer_client").chain(alone.iter().copied()));
+    assert!(refused.is_err(), "an expiry without --pending is refused");
+    assert_reconciles(&app.pool).await;
+}

@@ -35,10 +35,10 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 
-for scenario in new replay storm hot mixed; do
+for scenario in new replay storm hot hold mixed; do
   DATABASE_URL="$URL" target/debug/loadgen run --scenario "$scenario" --concurrency 8 \
     --requests 200 --warmup 0s --replay-intents 50 --fail-on-errors \
     --url "http://127.0.0.1:${PORT}" --fixture "$DIR/fixture.json" \
     --server-pid "$SERVER_PID" --out "$DIR/${scenario}.json"
 done
-echo "loadgen smoke: 5 scenarios passed their checks"
+echo "loadgen smoke: 6 scenarios passed their checks"

@@ -163,7 +163,8 @@ impl Client {
         &self.policy
     }
 
-    /// `POST /transfers`: sends the intent under its key until the answer
+    /// `POST /transfers` (or, for a hold's post or void or a reversal, its
+    /// route): sends the intent under its key until the answer
     /// is final or the retry policy runs out. The money moves at most once
     /// however many attempts are made; `replayed` says whether the answer
     /// is the stored one of an earlier attempt. A refusal (such as
@@ -189,10 +190,12 @@ impl Client {
         intent: &TransferIntent,
         policy: &RetryPolicy,
     ) -> Result<TransferOutcome, Error> {
+        let segments = intent.operation().segments();
+        let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
         let call = Call {
-            operation: "POST /transfers",
+            operation: intent.operation().route(),
             method: Method::POST,
-            url: self.url(&["transfers"], &[])?,
+            url: self.url(&segments, &[])?,
             key: Some(intent.key()),
             body: Some(intent.body().clone()),
         };

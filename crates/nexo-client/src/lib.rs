@@ -13,11 +13,12 @@ pub use client::{
     Readiness,
 };
 pub use error::{Error, ProblemResponse, TransportError, TransportErrorKind};
-pub use intent::{TransferIntent, TransferOutcome};
+pub use intent::{Operation, TransferIntent, TransferOutcome};
 pub use key::{IdempotencyKey, InvalidKey, KEY_LEN_MAX};
 pub use model::{
-    Account, Direction, EntriesPage, Entry, Health, KeyAnswer, KeyState, KeyStatus, PageQuery,
-    Receipt, Transfer, TransferQuery, TransferRequest, TransferStatus, TransfersPage,
+    Account, Direction, EntriesPage, Entry, Health, Hold, KeyAnswer, KeyState, KeyStatus,
+    PageQuery, Receipt, Transfer, TransferMode, TransferQuery, TransferRequest, TransferStatus,
+    TransfersPage,
 };
 pub use problem::{Problem, ProblemType};
 pub use retry::{RetryPolicy, is_retryable, parse_retry_after};

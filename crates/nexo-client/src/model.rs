@@ -18,6 +18,24 @@ pub struct TransferRequest {
     pub currency: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// `None` (or [`TransferMode::Immediate`]) posts at once;
+    /// [`TransferMode::Pending`] only reserves the amount on the source, to
+    /// be posted or voided later (a hold).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<TransferMode>,
+    /// For a hold: seconds until it expires (is voided by the server) if
+    /// neither posted nor voided. The server's default is 7 days, its
+    /// bound 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_in_seconds: Option<i64>,
+}
+
+/// Whether a transfer posts when it is made or is held first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferMode {
+    Immediate,
+    Pending,
 }
 
 impl TransferRequest {
@@ -33,6 +51,8 @@ impl TransferRequest {
             amount_minor,
             currency: currency.into(),
             description: None,
+            mode: None,
+            expires_in_seconds: None,
         }
     }
 
@@ -40,29 +60,70 @@ impl TransferRequest {
         self.description = Some(description.into());
         self
     }
+
+    /// A hold: the amount is reserved on the source and moves only when
+    /// posted ([`crate::TransferIntent::post_hold`]); released when voided
+    /// or after `expires_in_seconds` (the server's default when `None`).
+    pub fn pending(mut self, expires_in_seconds: Option<i64>) -> Self {
+        self.mode = Some(TransferMode::Pending);
+        self.expires_in_seconds = expires_in_seconds;
+        self
+    }
 }
 
-/// A posted transfer, as `POST /transfers` answers it and
-/// `GET /transfers/{id}` shows it.
+/// A transfer, as `POST /transfers` (and a hold's post, void or reversal)
+/// answers it and `GET /transfers/{id}` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transfer {
     pub transfer_id: Uuid,
     pub status: TransferStatus,
     pub from: String,
     pub to: String,
+    /// What moved; for a hold not yet posted, what it reserves.
     pub amount_minor: i64,
     pub currency: String,
     pub description: Option<String>,
     pub created_at: DateTime<Utc>,
-    pub receipt: Receipt,
+    /// `None` until the transfer is posted (a hold pending, voided or
+    /// expired).
+    pub receipt: Option<Receipt>,
+    /// Present for a transfer made as a hold.
+    #[serde(default)]
+    pub hold: Option<Hold>,
+    /// For a reversal: the transfer it gives back.
+    #[serde(default)]
+    pub reverses: Option<Uuid>,
+    /// For a leg of an atomic batch: the batch.
+    #[serde(default)]
+    pub batch_id: Option<Uuid>,
+    /// On reads: how much of this transfer reversals have given back, when
+    /// any has.
+    #[serde(default)]
+    pub reversed_minor: Option<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TransferStatus {
     Posted,
+    /// A hold: reserved, not moved.
+    Pending,
+    /// A hold released by a void: nothing moved.
+    Voided,
+    /// A hold released at its expiry: nothing moved.
+    Expired,
     #[serde(other)]
     Unknown,
+}
+
+/// What a hold reserved and until when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// Reserved when the hold was made; a partial post moves less.
+    pub amount_minor: i64,
+    pub expires_at: DateTime<Utc>,
+    /// When it was posted, voided or expired.
+    pub resolved_at: Option<DateTime<Utc>>,
 }
 
 /// Proof of the posting; identical on every replay.
@@ -191,7 +252,14 @@ fn rfc3339(at: DateTime<Utc>) -> String {
 pub struct Account {
     pub account_id: String,
     pub currency: String,
+    /// Posted balance.
     pub balance_minor: i64,
+    /// Reserved by pending holds.
+    #[serde(default)]
+    pub held_minor: i64,
+    /// What the account may still spend: `balance_minor - held_minor`.
+    #[serde(default)]
+    pub available_minor: i64,
 }
 
 /// One ledger entry of an account.
@@ -319,7 +387,29 @@ mod tests {
         let body = r#"{"transfer_id":"01a22a45-1c5e-77cc-b464-f70d8dff5602","status":"posted","from":"acc_00001","to":"acc_00002","amount_minor":10000,"currency":"USD","description":null,"created_at":"2026-11-30T02:25:02.046486Z","receipt":{"receipt_id":"rcpt_d02a75d76350467f8fdaed825def0943","debit_entry_id":5,"credit_entry_id":6,"issued_at":"2026-11-30T02:25:02.046486Z"},"later":1}"#;
         let transfer: Transfer = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(transfer.status, TransferStatus::Posted);
-        assert_eq!(transfer.receipt.credit_entry_id, 6);
+        assert_eq!(transfer.receipt.map(|r| r.credit_entry_id), Some(6));
+        assert_eq!(transfer.hold, None);
+    }
+
+    #[test]
+    fn a_hold_request_names_its_mode_and_expiry() {
+        let body = serde_json::to_string(
+            &TransferRequest::new("acc_00001", "acc_00002", 500, "USD").pending(Some(60)),
+        )
+        .unwrap_or_default();
+        assert_eq!(
+            body,
+            r#"{"from":"acc_00001","to":"acc_00002","amount_minor":500,"currency":"USD","mode":"pending","expires_in_seconds":60}"#
+        );
+    }
+
+    #[test]
+    fn reads_a_pending_hold_without_a_receipt() {
+        let body = r#"{"transfer_id":"01a22a45-1c5e-77cc-b464-f70d8dff5602","status":"pending","from":"acc_00001","to":"acc_00002","amount_minor":500,"currency":"USD","description":null,"created_at":"2026-11-30T02:25:02.046486Z","hold":{"amount_minor":500,"expires_at":"2026-11-30T03:25:02.046486Z","resolved_at":null},"receipt":null}"#;
+        let transfer: Transfer = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(transfer.status, TransferStatus::Pending);
+        assert_eq!(transfer.receipt, None);
+        assert_eq!(transfer.hold.map(|h| h.amount_minor), Some(500));
     }
 
     #[test]

@@ -123,6 +123,7 @@ pub async fn check(
             Answer::Created {
                 transfer_id,
                 replayed,
+                ..
             } => {
                 view.transfer_ids.insert(*transfer_id);
                 view.first_executions += u32::from(!replayed);
@@ -136,12 +137,20 @@ pub async fn check(
 
     let (principals, keys): (Vec<Uuid>, Vec<String>) =
         views.keys().map(|(p, k)| (*p, k.to_string())).unzip();
+    // A key made a transfer or (for `hold`) a hold: both are unique per
+    // principal and key, and a key made one or the other.
     let rows: Vec<KeyRow> = sqlx::query_as(
         "SELECT k.principal_id, k.key, count(t.id) AS transfers,
                 COALESCE(array_agg(t.id) FILTER (WHERE t.id IS NOT NULL), '{}') AS ids,
                 max(t.amount_minor) AS amount_minor
          FROM unnest($1::uuid[], $2::text[]) AS k(principal_id, key)
-         LEFT JOIN transfers t ON t.principal_id = k.principal_id AND t.idempotency_key = k.key
+         LEFT JOIN LATERAL (
+             SELECT id, amount_minor FROM transfers
+             WHERE principal_id = k.principal_id AND idempotency_key = k.key
+             UNION ALL
+             SELECT id, amount_minor FROM holds
+             WHERE principal_id = k.principal_id AND idempotency_key = k.key
+         ) t ON true
          GROUP BY k.principal_id, k.key",
     )
     .bind(&principals)

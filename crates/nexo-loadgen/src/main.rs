@@ -1,5 +1,5 @@
 //! The load generator: drives a running nexo-transfers server over real HTTP
-//! with one of five scenarios, prints throughput, latency percentiles and the
+//! with one of six scenarios, prints throughput, latency percentiles and the
 //! count of each answer, then checks on the database that the ledger
 //! reconciles and that every intent it sent executed at most once.
 //!
@@ -57,6 +57,9 @@ pub enum Scenario {
     Storm,
     /// Every transfer debits one account.
     Hot,
+    /// Every transfer debits one account as a hold that is then posted:
+    /// two requests (the hold, its post), each under its own key.
+    Hold,
     /// Mostly new intents, with retries, concurrent duplicates, reused keys
     /// and overdrafts mixed in.
     Mixed,

@@ -8,9 +8,19 @@ use crate::scenario::Intent;
 /// What one request got back.
 #[derive(Debug, Clone)]
 pub enum Answer {
-    Created { transfer_id: Uuid, replayed: bool },
-    Problem { status: u16, slug: String },
-    Other { status: u16 },
+    /// A 2xx with its transfer: 201, or 200 for a hold's post.
+    Created {
+        status: u16,
+        transfer_id: Uuid,
+        replayed: bool,
+    },
+    Problem {
+        status: u16,
+        slug: String,
+    },
+    Other {
+        status: u16,
+    },
     Transport(String),
 }
 
@@ -18,9 +28,15 @@ impl Answer {
     pub fn label(&self) -> String {
         match self {
             Answer::Created {
-                replayed: false, ..
-            } => "201".to_owned(),
-            Answer::Created { replayed: true, .. } => "201 replayed".to_owned(),
+                status,
+                replayed: false,
+                ..
+            } => status.to_string(),
+            Answer::Created {
+                status,
+                replayed: true,
+                ..
+            } => format!("{status} replayed"),
             Answer::Problem { status, slug } => format!("{status} {slug}"),
             Answer::Other { status } => status.to_string(),
             Answer::Transport(_) => "transport error".to_owned(),
@@ -43,4 +59,15 @@ pub struct Observation {
     /// Sent with a body that differs from what the key was first used for.
     pub conflict: bool,
     pub answer: Answer,
+}
+
+impl Observation {
+    /// What the intent's own request got (not a conflicting reuse).
+    pub fn of(intent: Intent, answer: Answer) -> Self {
+        Self {
+            intent,
+            conflict: false,
+            answer,
+        }
+    }
 }

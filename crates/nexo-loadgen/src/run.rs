@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use nexo_client::{Client, Error as ClientError, IdempotencyKey, TransferIntent, TransferRequest};
+use nexo_client::{
+    Client, Error as ClientError, IdempotencyKey, Operation, TransferIntent, TransferRequest,
+};
 use serde::Serialize;
 
 use crate::check::{self, CheckReport};
 use crate::fixture::{self, Fixture};
 use crate::observation::{Answer, Observation};
-use crate::scenario::{Intent, Plan, Step, Worker};
+use crate::scenario::{Action, Intent, Plan, Step, Worker};
 use crate::{DEFAULT_DURATION, Error, RunArgs, Scenario};
 
 /// A request that takes longer than this is counted as a transport error;
@@ -48,7 +50,17 @@ impl Sender {
             intent.amount,
             self.currency.as_str(),
         );
-        let transfer = TransferIntent::resume(key, request);
+        let transfer = match intent.action {
+            Action::Transfer => TransferIntent::resume(key, request),
+            Action::Hold => TransferIntent::resume(key, request.pending(None)),
+            Action::PostHold(transfer_id) => TransferIntent::resume_operation(
+                key,
+                Operation::PostHold {
+                    transfer_id,
+                    amount_minor: None,
+                },
+            ),
+        };
         let started = Instant::now();
         let sent = self.clients[intent.principal]
             .send_transfer_once(&transfer)
@@ -57,6 +69,7 @@ impl Sender {
         let (answer, body) = match sent {
             Ok(created) => (
                 Answer::Created {
+                    status: created.status,
                     transfer_id: created.transfer.transfer_id,
                     replayed: created.replayed,
                 },
@@ -169,23 +182,25 @@ async fn work(
                 {
                     tally.replay_mismatches += 1;
                 }
-                let observation = Observation {
-                    intent,
-                    conflict: false,
-                    answer,
-                };
-                tally.record(measured, observation, latency);
+                tally.record(measured, Observation::of(intent, answer), latency);
             }
             Step::Twice(intent) => {
                 let ((a, _, la), (b, _, lb)) =
                     tokio::join!(sender.send(&intent), sender.send(&intent));
                 for (answer, latency) in [(a, la), (b, lb)] {
-                    let observation = Observation {
-                        intent: intent.clone(),
-                        conflict: false,
-                        answer,
-                    };
-                    tally.record(measured, observation, latency);
+                    tally.record(measured, Observation::of(intent.clone(), answer), latency);
+                }
+            }
+            Step::HoldThenPost(hold) => {
+                let (answer, _, latency) = sender.send(&hold).await;
+                let post = match &answer {
+                    Answer::Created { transfer_id, .. } => Some(hold.post_of(*transfer_id)),
+                    _ => None,
+                };
+                tally.record(measured, Observation::of(hold, answer), latency);
+                if let Some(post) = post {
+                    let (answer, _, latency) = sender.send(&post).await;
+                    tally.record(measured, Observation::of(post, answer), latency);
                 }
             }
             Step::Conflict(intent) => {
@@ -429,11 +444,7 @@ async fn prepare_replays(
                     .into());
                 }
             }
-            observations.push(Observation {
-                intent,
-                conflict: false,
-                answer,
-            });
+            observations.push(Observation::of(intent, answer));
         }
     }
     Ok((intents, bodies, observations))

@@ -20,7 +20,7 @@ const AMOUNT_MINOR_DRAWN_MAX: i64 = 1_000;
 /// How many of its own recent intents a `mixed` worker may retry or reuse.
 const RECENT_INTENTS_MAX: usize = 64;
 
-/// The account every `hot` transfer debits.
+/// The account every `hot` transfer and every `hold` debits.
 pub const HOT_ACCOUNT: u32 = 1;
 
 /// One transfer intent: who sends it, under which key, with which body.
@@ -31,6 +31,18 @@ pub struct Intent {
     pub from: u32,
     pub to: u32,
     pub amount: i64,
+    pub action: Action,
+}
+
+/// Which request an intent is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// `POST /transfers`, posted at once.
+    Transfer,
+    /// `POST /transfers` with `mode: pending`.
+    Hold,
+    /// `POST /transfers/{id}/post` of the hold `id`, in full.
+    PostHold(uuid::Uuid),
 }
 
 /// What a worker sends next.
@@ -43,6 +55,8 @@ pub enum Step {
     /// An earlier key with a different body: must be refused, and must not
     /// change what the key executed.
     Conflict(Intent),
+    /// A hold, then (once it is made) its post under a key of its own.
+    HoldThenPost(Intent),
 }
 
 /// What all workers of a run share.
@@ -87,6 +101,19 @@ impl Plan {
             from,
             to,
             amount: rng.random_range(1..=AMOUNT_MINOR_DRAWN_MAX),
+            action: Action::Transfer,
+        }
+    }
+}
+
+impl Intent {
+    /// The post of the hold this intent made, as `hold`, under a key
+    /// derived from the hold's.
+    pub fn post_of(&self, hold: uuid::Uuid) -> Self {
+        Self {
+            key: format!("{}-post", self.key).into(),
+            action: Action::PostHold(hold),
+            ..self.clone()
         }
     }
 }
@@ -124,6 +151,13 @@ impl Worker {
             Scenario::Hot => {
                 let key = self.key(plan);
                 Step::Send(plan.fresh(&mut self.rng, Some(HOT_ACCOUNT), key))
+            }
+            Scenario::Hold => {
+                let key = self.key(plan);
+                Step::HoldThenPost(Intent {
+                    action: Action::Hold,
+                    ..plan.fresh(&mut self.rng, Some(HOT_ACCOUNT), key)
+                })
             }
             Scenario::Replay => {
                 let i = self.rng.random_range(0..plan.replay_set.len());
