@@ -17,32 +17,42 @@ use sqlx::PgPool;
 const HOLDS: usize = 20;
 const LEASE: &str = "2s";
 
+/// Principal A's POST of `body` to `path` under `key`.
+fn keyed_post(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+    path: &str,
+    body: &Value,
+) -> reqwest::RequestBuilder {
+    client
+        .post(format!("{base}{path}"))
+        .bearer_auth(TOKEN_A)
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .body(body.to_string())
+}
+
 async fn post_until_final(base: &str, key: &str, path: &str, body: &Value) -> Reply {
     let client = fault_client(Duration::from_secs(10));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{path}: no final answer"
-        );
-        let sent = client
-            .post(format!("{base}{path}"))
-            .bearer_auth(TOKEN_A)
-            .header("Idempotency-Key", key)
-            .header("Content-Type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await;
-        if let Ok(response) = sent {
-            let reply = Reply::read(response).await;
-            if reply.status != 409 && reply.status < 500
-                || reply.status == 409 && reply.json()["type"] != "/problems/request-in-flight"
-            {
-                return reply;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    until_final(
+        path,
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let sent = client
+                .post(format!("{base}{path}"))
+                .bearer_auth(TOKEN_A)
+                .header("Idempotency-Key", key)
+                .header("Content-Type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .ok()?;
+            Some(Reply::read(sent).await)
+        },
+    )
+    .await
 }
 
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
@@ -78,12 +88,7 @@ async fn sigkill_between_hold_and_capture_then_retries_end_every_hold_once(pool:
             join_all(requests.iter().map(|(key, path, body)| {
                 let (client, base) = (&client, &base);
                 async move {
-                    client
-                        .post(format!("{base}{path}"))
-                        .bearer_auth(TOKEN_A)
-                        .header("Idempotency-Key", key)
-                        .header("Content-Type", "application/json")
-                        .body(body.to_string())
+                    keyed_post(client, base, key, path, body)
                         .send()
                         .await
                         .ok()

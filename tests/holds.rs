@@ -388,26 +388,6 @@ async fn a_hold_can_only_change_its_status_once_whatever_sql_tries(pool: PgPool)
     );
 }
 
-/// Sends one keyed request until it gets a final answer: a 409 for a
-/// request still in flight (a duplicate of the storm) and a 503 are waited
-/// out, as a client would.
-async fn send_until_final(app: &TestApp, key: &str, path: &str, body: &Value) -> Reply {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{path} got no final answer"
-        );
-        let reply = app.post_json(TOKEN_A, key, path, body).await;
-        let in_flight =
-            reply.status == 409 && reply.json()["type"] == "/problems/request-in-flight";
-        if !(in_flight || reply.status == 503) {
-            return reply;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The outcome of a storm on one hold: the final answers, per key.
 struct Storm {
     winners: Vec<(String, Value)>,
@@ -418,44 +398,27 @@ struct Storm {
 /// at once (a duplicate storm), all on one hold. Every copy of a request
 /// gets the same final bytes.
 async fn storm(app: &TestApp, id: &str) -> Storm {
-    let mut requests = Vec::new();
-    for n in 0..50 {
-        let (path, body) = if n % 2 == 0 {
-            (
-                format!("/transfers/{id}/post"),
-                json!({"amount_minor": 1_000 + n}),
-            )
-        } else {
-            (format!("/transfers/{id}/void"), json!({}))
-        };
-        let key = new_key();
-        for _ in 0..3 {
-            let (app, key, path, body) = (app, key.clone(), path.clone(), body.clone());
-            requests.push(async move {
-                let reply = send_until_final(app, &key, &path, &body).await;
-                (key, reply)
-            });
-        }
-    }
-    let answers = futures::future::join_all(requests).await;
-    let mut by_key: std::collections::HashMap<String, Vec<Reply>> = Default::default();
-    for (key, reply) in answers {
-        by_key.entry(key).or_default().push(reply);
-    }
+    let requests: Vec<(String, String, Value)> = (0..50)
+        .map(|n| {
+            let (path, body) = if n % 2 == 0 {
+                (
+                    format!("/transfers/{id}/post"),
+                    json!({"amount_minor": 1_000 + n}),
+                )
+            } else {
+                (format!("/transfers/{id}/void"), json!({}))
+            };
+            (new_key(), path, body)
+        })
+        .collect();
+    let by_key = app.duplicate_storm(TOKEN_A, &requests, 3).await;
     let mut winners = Vec::new();
     let mut refused = 0;
-    for (key, replies) in by_key {
-        for reply in &replies[1..] {
-            assert_eq!(
-                (reply.status, &reply.body),
-                (replies[0].status, &replies[0].body),
-                "every copy of a request gets the same answer"
-            );
-        }
-        match replies[0].status {
-            200 => winners.push((key, replies[0].json())),
+    for (key, reply) in by_key {
+        match reply.status {
+            200 => winners.push((key, reply.json())),
             _ => {
-                replies[0].assert_problem(409, "transfer-not-pending");
+                reply.assert_problem(409, "transfer-not-pending");
                 refused += 1;
             }
         }

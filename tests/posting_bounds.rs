@@ -94,6 +94,12 @@ async fn wait_for(what: &str, within: Duration, mut check: impl AsyncFnMut() -> 
     }
 }
 
+/// A request's answer and how long it took.
+async fn timed(request: impl Future<Output = Reply>) -> (Reply, Duration) {
+    let started = Instant::now();
+    (request.await, started.elapsed())
+}
+
 fn assert_retryable_503(reply: &Reply) {
     reply.assert_problem(503, "service-unavailable");
     assert_eq!(reply.header("retry-after"), Some("1"), "{:?}", reply.body);
@@ -204,6 +210,98 @@ async fn a_locked_account_holds_up_only_its_own_transfers(pool: PgPool) {
         1
     );
     assert_ledger_consistent(&app.pool).await;
+}
+
+/// The same lock, held on a hold's source account: a new hold from it and
+/// the post of an existing one each wait at most the lock timeout and get
+/// a retryable 503 with their keys FAILED, nothing reserved or moved;
+/// another principal's holds on other accounts are answered at once
+/// meanwhile; once the lock goes, each retry takes effect once.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn a_locked_account_holds_up_only_its_own_holds_and_their_posts(pool: PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let (token_c, sources, destination) = principal_with_accounts(&app.pool, "c", 4).await;
+    let pending = |from: &str, to: &str| {
+        let mut body = transfer(from, to, AMOUNT, "USD");
+        body["mode"] = "pending".into();
+        body
+    };
+    let existing = app
+        .post_transfer(TOKEN_A, &new_key(), &pending(A_USD, B_USD))
+        .await;
+    assert_eq!(existing.status, 201, "{:?}", existing.body);
+    let hold_id = existing.json()["transfer_id"].as_str().unwrap().to_owned();
+    let post_path = format!("/transfers/{hold_id}/post");
+    let lock = lock_account(&app.pool, A_USD).await;
+
+    let (hold_key, post_key) = (new_key(), new_key());
+    let (new_hold_body, post_body) = (pending(A_USD, B_USD), serde_json::json!({}));
+    let blocked = async {
+        tokio::join!(
+            timed(app.post_transfer(TOKEN_A, &hold_key, &new_hold_body)),
+            timed(app.post_json(TOKEN_A, &post_key, &post_path, &post_body)),
+        )
+    };
+    let unrelated = async {
+        // Both blocked requests wait on the row lock before any other is
+        // sent: the situation this test is about.
+        wait_for(
+            "a hold and a post waiting on the row lock",
+            Duration::from_secs(5),
+            async || lock_waiters(&app.pool).await >= 2,
+        )
+        .await;
+        futures::future::join_all(sources.iter().map(|source| async {
+            let (key, body) = (new_key(), pending(source, &destination));
+            timed(app.post_transfer(&token_c, &key, &body)).await
+        }))
+        .await
+    };
+    let (((new_hold, new_took), (post, post_took)), others) = tokio::join!(blocked, unrelated);
+
+    for (reply, took) in &others {
+        assert_eq!(reply.status, 201, "{:?}", reply.body);
+        assert!(
+            *took < Duration::from_secs(1),
+            "an unrelated hold took {took:?}"
+        );
+    }
+    assert_retryable_503_within(&new_hold, new_took, Duration::from_secs(5));
+    assert_retryable_503_within(&post, post_took, Duration::from_secs(5));
+    for key in [&hold_key, &post_key] {
+        assert_eq!(key_status(&app.pool, key).await.as_deref(), Some("FAILED"));
+    }
+    assert_eq!(keys_in_progress(&app.pool).await, 0);
+    let reserved = "SELECT held_minor FROM accounts WHERE id = 'acc_00001'";
+    assert_eq!(
+        scalar(&app.pool, reserved).await,
+        AMOUNT,
+        "only the first hold"
+    );
+    assert_eq!(
+        scalar(
+            &app.pool,
+            "SELECT count(*) FROM holds WHERE status = 'pending'"
+        )
+        .await,
+        1 + 4,
+        "the first hold is still pending, beside the other principal's four"
+    );
+    assert_eq!(balance(&app.pool, B_USD).await, 0);
+
+    lock.commit().await.unwrap();
+    let hold_retry = app
+        .post_transfer(TOKEN_A, &hold_key, &pending(A_USD, B_USD))
+        .await;
+    assert_eq!(hold_retry.status, 201, "{:?}", hold_retry.body);
+    let post_retry = app
+        .post_json(TOKEN_A, &post_key, &post_path, &serde_json::json!({}))
+        .await;
+    assert_eq!(post_retry.status, 200, "{:?}", post_retry.body);
+    assert_eq!(post_retry.json()["status"], "posted");
+    assert_eq!(balance(&app.pool, B_USD).await, AMOUNT);
+    assert_eq!(scalar(&app.pool, reserved).await, AMOUNT, "the second hold");
+    assert_reconciles(&app.pool).await;
 }
 
 /// A pool of two connections, both taken by transfers waiting on locks held

@@ -9,7 +9,6 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use futures::future::join_all;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -26,40 +25,19 @@ async fn reverse(app: &TestApp, token: &str, key: &str, id: &str, body: &Value) 
         .await
 }
 
-/// Sends every (key, body) three times at once; each key's copies must get
-/// the same final bytes (a copy that found its twin in flight retries).
+/// Sends every (key, body) to `path` three times at once; each key's
+/// copies must get the same final bytes.
 async fn storm(
     app: &TestApp,
     token: &str,
     path: &str,
     requests: &[(String, Value)],
 ) -> HashMap<String, Reply> {
-    let sends = requests.iter().flat_map(|(key, body)| {
-        (0..3).map(move |_| async move {
-            loop {
-                let reply = app.post_json(token, key, path, body).await;
-                let in_flight =
-                    reply.status == 409 && reply.json()["type"] == "/problems/request-in-flight";
-                if !(in_flight || reply.status == 503) {
-                    return (key.clone(), reply);
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-        })
-    });
-    let mut by_key: HashMap<String, Reply> = HashMap::new();
-    for (key, reply) in join_all(sends).await {
-        if let Some(first) = by_key.get(&key) {
-            assert_eq!(
-                (first.status, &first.body),
-                (reply.status, &reply.body),
-                "copies of one request got different answers"
-            );
-        } else {
-            by_key.insert(key, reply);
-        }
-    }
-    by_key
+    let requests: Vec<(String, String, Value)> = requests
+        .iter()
+        .map(|(key, body)| (key.clone(), path.to_owned(), body.clone()))
+        .collect();
+    app.duplicate_storm(token, &requests, 3).await
 }
 
 #[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]

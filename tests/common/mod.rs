@@ -373,6 +373,100 @@ impl Reply {
     }
 }
 
+impl Reply {
+    /// Whether the same request, sent again, may be answered otherwise:
+    /// another request with its key is in flight, or the server could not
+    /// serve it just now.
+    pub fn is_transient(&self) -> bool {
+        self.status >= 500
+            || self.status == 409 && self.json()["type"] == "/problems/request-in-flight"
+    }
+}
+
+/// Sends one request through `send` (`None`: no answer came back) until
+/// its answer is final, pausing between tries; fails the test when
+/// `within` runs out first.
+pub async fn until_final<F, Fut>(
+    what: &str,
+    within: Duration,
+    pause: Duration,
+    mut send: F,
+) -> Reply
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<Reply>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: no final answer within {within:?}"
+        );
+        if let Some(reply) = send().await
+            && !reply.is_transient()
+        {
+            return reply;
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// How long an in-process request may stay in flight or unavailable
+/// before a test gives up on it.
+pub const FINAL_ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
+impl TestApp {
+    /// [`TestApp::post_json`] until its answer is final.
+    pub async fn post_json_until_final(
+        &self,
+        token: &str,
+        key: &str,
+        path: &str,
+        body: &Value,
+    ) -> Reply {
+        until_final(
+            path,
+            FINAL_ANSWER_WITHIN,
+            Duration::from_millis(50),
+            || async { Some(self.post_json(token, key, path, body).await) },
+        )
+        .await
+    }
+
+    /// A duplicate storm: every (key, path, body) sent `copies` times at
+    /// once, each copy until its answer is final. Every copy of a key must
+    /// get the same final bytes; returns that answer per key.
+    pub async fn duplicate_storm(
+        &self,
+        token: &str,
+        requests: &[(String, String, Value)],
+        copies: usize,
+    ) -> std::collections::HashMap<String, Reply> {
+        let sends = requests.iter().flat_map(|(key, path, body)| {
+            (0..copies).map(move |_| async move {
+                (
+                    key.clone(),
+                    self.post_json_until_final(token, key, path, body).await,
+                )
+            })
+        });
+        let mut by_key = std::collections::HashMap::<String, Reply>::new();
+        for (key, reply) in futures::future::join_all(sends).await {
+            match by_key.get(&key) {
+                Some(first) => assert_eq!(
+                    (first.status, &first.body),
+                    (reply.status, &reply.body),
+                    "copies of one request got different answers"
+                ),
+                None => {
+                    by_key.insert(key, reply);
+                }
+            }
+        }
+        by_key
+    }
+}
+
 /// A `DATABASE_URL` for the test's own database, for a child process (the
 /// real binary) to use: the server of `DATABASE_URL`, the pool's database.
 pub fn database_url_for(pool: &PgPool) -> String {
