@@ -19,6 +19,13 @@ CEILINGS = ["new", "hot", "read"]
 # Which ceiling each scenario is held against.
 CEILING_OF = {"new": "new", "replay": "read", "storm": "new", "hot": "hot", "hold": "hot", "mixed": "new"}
 RSS_LIMIT_MIB = 100
+# A transfer's own rows come to about 1.6 KiB before indexes: the transfer
+# (~250 bytes), two entries (~120 each), its key record with the stored
+# answer and headers (~600) and its event with the resource (~500). About
+# 2.5 times that leaves room for the indexes every lookup needs (unique
+# keys, per-account and per-principal orders); more would mean something
+# stores what it should not, or bloats.
+STORAGE_PER_TRANSFER_MAX = 4096
 
 
 def read_machine(folder):
@@ -62,6 +69,19 @@ def read_pgbench(folder):
             "aborted": aborted,
         }
     return results
+
+
+def read_storage(folder):
+    """Per table: (total bytes, rows), as bench/run.sh measured them after VACUUM."""
+    storage = {}
+    path = os.path.join(folder, "storage.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3:
+                    storage[parts[0]] = (int(parts[1]), int(parts[2]))
+    return storage
 
 
 def read_loadgen(folder):
@@ -209,6 +229,24 @@ def main():
     add("![Throughput and p99 latency against concurrency](benchmarks.png)")
     add("")
 
+    storage = read_storage(folder)
+    transfers = storage.get("transfers", (0, 0))[1]
+    if transfers:
+        add("## Storage per transfer")
+        add("")
+        add("After the runs and a `VACUUM`: each table's total size (heap, TOAST, indexes) over the transfers")
+        add(f"the runs left ({fmt(transfers)}, pgbench's and the server's). Key records keep their full answers")
+        add("(the purge is off during the runs; past the TTL it compacts them, `docs/operations.md`).")
+        add("")
+        add("| table | rows | MiB | bytes per row | bytes per transfer |")
+        add("|---|---:|---:|---:|---:|")
+        total = 0
+        for name, (size, rows) in sorted(storage.items()):
+            total += size
+            add(f"| {name} | {fmt(rows)} | {fmt(size / 2**20, 1)} | {fmt(size / rows if rows else None)} | {fmt(size / transfers)} |")
+        add(f"| **all** | | {fmt(total / 2**20, 1)} | | **{fmt(total / transfers)}** |")
+        add("")
+
     add("## Targets")
     add("")
     add("| target | measured | met |")
@@ -258,6 +296,12 @@ def main():
     if peaks:
         s, mib = max(peaks, key=lambda p: p[1])
         add(f"| server RSS < {RSS_LIMIT_MIB} MiB under {max(concurrencies)}-client load | peak {fmt(mib, 1)} MiB (`{s}`) | {yes(mib < RSS_LIMIT_MIB)} |")
+    if transfers:
+        per = sum(size for size, _ in storage.values()) / transfers
+        add(
+            f"| storage ≤ {fmt(STORAGE_PER_TRANSFER_MAX)} bytes per transfer (see the table above) | {fmt(per)} bytes | "
+            f"{yes(per <= STORAGE_PER_TRANSFER_MAX)} |"
+        )
     all_ok = all(r["ok"] for r in lg.values())
     add(f"| every run's ledger and exactly-once checks pass | {sum(r['ok'] for r in lg.values())} of {len(lg)} | {yes(all_ok)} |")
     add("")

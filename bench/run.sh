@@ -143,6 +143,21 @@ for s in $SCENARIOS; do
 done
 echo "load_after=$(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/machine.txt"
 
+echo "== storage per transfer (after VACUUM)"
+# Every row the runs left: pgbench's transfers and the server's, their
+# entries, their key records (full answers, none compacted: the purge is
+# off) and, where the schema has them, holds and events. Total relation
+# size: heap, TOAST and every index.
+psql "$BENCH_URL" -qAt -c "VACUUM ANALYZE" >/dev/null
+psql "$BENCH_URL" -qAt -F ' ' -c "
+  SELECT c.relname, pg_total_relation_size(c.oid),
+         (xpath('/row/n/text()', query_to_xml(format('SELECT count(*) AS n FROM %I', c.relname), false, true, '')))[1]::text::bigint
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE n.nspname = 'public' AND c.relkind = 'r'
+    AND c.relname IN ('transfers', 'ledger_entries', 'idempotency_keys', 'holds', 'events')
+  ORDER BY c.relname" > "$OUT/storage.txt"
+cat "$OUT/storage.txt"
+
 if [ "$WRITE_DOCS" = 1 ]; then
   echo "== report"
   VENV=target/bench-venv
