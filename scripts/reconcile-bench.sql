@@ -7,7 +7,8 @@
 -- :transfers customer transfers spread over the last 30 days, two entries
 -- per transfer with running balances, and a COMPLETED idempotency record
 -- for each customer transfer younger than the 24h key TTL (about 1/30 of
--- them), as a server with NEXO_IDEMPOTENCY_TTL=24h would hold.
+-- them), as a server with NEXO_IDEMPOTENCY_TTL=24h would hold, and one
+-- event per transfer.
 \set ON_ERROR_STOP on
 SELECT setseed(0.4242) AS seeded \gset
 -- Foreign-key triggers off for the bulk load (the database is throwaway):
@@ -83,8 +84,28 @@ ORDER BY created_at, transfer_id, side;
 
 COMMIT;
 
-UPDATE accounts a SET balance_minor = s.total
-FROM (SELECT account_id, sum(amount_minor) AS total FROM ledger_entries GROUP BY account_id) s
+-- The outbox the server writes with every transfer: one transfer.posted
+-- event each, in time order, numbered on each account in the order of its
+-- entries. The resource is a stand-in: the reconciliation reads none.
+WITH numbered AS (
+    SELECT transfer_id, amount_minor < 0 AS debit,
+           row_number() OVER (PARTITION BY account_id ORDER BY id) AS seq
+    FROM ledger_entries
+)
+INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                    from_principal, to_principal, from_seq, to_seq)
+SELECT 'transfer.posted', t.id, jsonb_build_object('transfer_id', t.id), t.created_at,
+       t.from_account, t.to_account, fa.principal_id, ta.principal_id, d.seq, c.seq
+FROM transfers t
+JOIN numbered d ON d.transfer_id = t.id AND d.debit
+JOIN numbered c ON c.transfer_id = t.id AND NOT c.debit
+JOIN accounts fa ON fa.id = t.from_account
+JOIN accounts ta ON ta.id = t.to_account
+ORDER BY t.created_at, t.id;
+
+UPDATE accounts a SET balance_minor = s.total, event_seq = s.entries
+FROM (SELECT account_id, sum(amount_minor) AS total, count(*) AS entries
+      FROM ledger_entries GROUP BY account_id) s
 WHERE a.id = s.account_id;
 
 INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path, fingerprint,
@@ -104,5 +125,6 @@ VACUUM ANALYZE;
 
 SELECT (SELECT count(*) FROM transfers) AS transfers,
        (SELECT count(*) FROM ledger_entries) AS entries,
+       (SELECT count(*) FROM events) AS events,
        (SELECT count(*) FROM idempotency_keys) AS key_records,
        pg_size_pretty(pg_database_size(current_database())) AS database_size;

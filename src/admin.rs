@@ -10,7 +10,7 @@ use crate::auth;
 use crate::idempotency::Fingerprint;
 use crate::ledger::repo::Settled;
 use crate::ledger::{
-    self, AccountId, AmountMinor, Currency, LedgerError, PostingRequest, Transfer,
+    self, AccountId, AmountMinor, Currency, LedgerError, PostingKind, PostingRequest, Transfer,
 };
 use crate::principal::PrincipalId;
 
@@ -463,7 +463,7 @@ pub async fn deposit(
         amount,
         currency: &currency,
         description: None,
-        transfer_id: None,
+        kind: PostingKind::Transfer,
     };
     let mut tx = pool.begin().await?;
     let outcome = ledger::repo::post_transfer(&mut tx, &request).await?;

@@ -161,6 +161,7 @@ mod tests {
             balance_minor: 5,
             held_minor: 0,
             allow_negative: false,
+            event_seq: 0,
         }
     }
 

@@ -11,11 +11,12 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::admin;
-use crate::config::{DbConfig, ServeConfig};
+use crate::config::{DbConfig, EventRetentionConfig, ServeConfig};
 use crate::db::{self, MissingDatabase};
 use crate::http::operations::Operations;
 use crate::http::{self, AppConfig, AppState};
 use crate::idempotency::store;
+use crate::ledger::events;
 use crate::reconcile;
 
 #[derive(Debug, Parser)]
@@ -38,13 +39,16 @@ pub enum Command {
     /// Apply pending migrations and exit.
     Migrate,
     /// Compact idempotency records past their TTL (their outcome stays),
-    /// delete those past their retention, and print how many.
+    /// delete those past their retention and events past theirs, and print
+    /// how many.
     PurgeExpired {
         /// Records compacted or deleted per statement: each batch holds its
         /// row locks for milliseconds.
         #[arg(long, env = "NEXO_PURGE_BATCH_ROWS", default_value_t = store::PURGE_BATCH_ROWS_MAX,
               value_parser = clap::value_parser!(i64).range(1..=100_000))]
         batch_rows: i64,
+        #[command(flatten)]
+        events: EventRetentionConfig,
     },
     /// Check that the ledger is whole and agrees with the idempotency
     /// records. Exit status 0 when every check holds, 1 when discrepancies
@@ -230,14 +234,17 @@ async fn execute(cli: Cli) -> Result<(), String> {
         Command::Migrate => connect(&cli.db, MissingDatabase::Create)
             .await
             .map(|_| print_out("migrations applied")),
-        Command::PurgeExpired { batch_rows } => {
+        Command::PurgeExpired { batch_rows, events } => {
             let pool = connect(&cli.db, MissingDatabase::Refuse).await?;
             let purged = store::purge_expired(&pool, batch_rows)
                 .await
                 .map_err(|e| format!("purge failed: {e}"))?;
+            let events = purge_events(&pool, events.event_retention, batch_rows)
+                .await
+                .map_err(|e| format!("purge of events failed: {e}"))?;
             print_out(&format!(
-                "compacted {} idempotency records past their TTL, deleted {}",
-                purged.compacted, purged.deleted
+                "compacted {} idempotency records past their TTL, deleted {}; deleted {} events past their retention",
+                purged.compacted, purged.deleted, events.deleted
             ));
             Ok(())
         }
@@ -367,6 +374,7 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
             pool.clone(),
             config.purge.purge_interval,
             config.purge.purge_batch_rows,
+            config.purge.events.event_retention,
         ))
     });
     let expiry = (!config.posting.hold_expiry_interval.is_zero()).then(|| {
@@ -457,7 +465,12 @@ async fn reconcile_command(db: &DbConfig, args: &ReconcileArgs) -> ExitCode {
     }
 }
 
-async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {
+async fn purge_periodically(
+    pool: PgPool,
+    every: Duration,
+    batch_rows: i64,
+    event_retention: Duration,
+) {
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -474,7 +487,23 @@ async fn purge_periodically(pool: PgPool, every: Duration, batch_rows: i64) {
             ),
             Err(e) => tracing::warn!(error = %e, "purge of expired idempotency records failed"),
         }
+        match purge_events(&pool, event_retention, batch_rows).await {
+            Ok(purged) if purged.deleted == 0 => {}
+            Ok(purged) => tracing::info!(deleted = purged.deleted, "purged events"),
+            Err(e) => tracing::warn!(error = %e, "purge of events past their retention failed"),
+        }
     }
+}
+
+/// Deletes events past `retention` and meters what it did.
+pub async fn purge_events(
+    pool: &PgPool,
+    retention: Duration,
+    batch_rows: i64,
+) -> Result<events::EventsPurged, sqlx::Error> {
+    let result = events::purge(pool, retention, batch_rows).await;
+    crate::telemetry::events_purge(&result, chrono::Utc::now());
+    result
 }
 
 /// Runs the reconciliation every `every`, logs and meters each result, and

@@ -212,6 +212,44 @@ pub struct PurgeConfig {
     #[arg(long, env = "NEXO_PURGE_BATCH_ROWS", default_value_t = crate::idempotency::store::PURGE_BATCH_ROWS_MAX,
           value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub purge_batch_rows: i64,
+    #[command(flatten)]
+    pub events: EventRetentionConfig,
+}
+
+/// How long the event feed keeps its events.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct EventRetentionConfig {
+    /// How long an event stays readable in `GET /events`; the purge deletes
+    /// older ones. A consumer that stops for longer misses what it did not
+    /// read. 30 days outlasts a long weekend of a broken consumer with room
+    /// to spare, at about 820 bytes per event.
+    #[arg(long, env = "NEXO_EVENT_RETENTION", default_value = "30days", value_parser = parse_event_retention)]
+    pub event_retention: Duration,
+}
+
+impl Default for EventRetentionConfig {
+    fn default() -> Self {
+        Self {
+            event_retention: EVENT_RETENTION_DEFAULT,
+        }
+    }
+}
+
+pub const EVENT_RETENTION_DEFAULT: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// The shortest event retention accepted: a consumer restarted after a
+/// deploy or an incident must still find what it had not read.
+pub const EVENT_RETENTION_MIN: Duration = Duration::from_secs(3600);
+
+fn parse_event_retention(value: &str) -> Result<Duration, String> {
+    let retention = parse_duration(value)?;
+    if retention < EVENT_RETENTION_MIN {
+        return Err(format!(
+            "must be at least {}s",
+            EVENT_RETENTION_MIN.as_secs()
+        ));
+    }
+    Ok(retention)
 }
 
 /// The scheduled reconciliation and the admin endpoint that shows it.
@@ -305,6 +343,14 @@ mod tests {
             every(Duration::from_secs(300)),
             Ok(Some(Duration::from_secs(300)))
         );
+    }
+
+    #[test]
+    fn events_are_kept_at_least_an_hour() {
+        assert_eq!(parse_event_retention("30days"), Ok(EVENT_RETENTION_DEFAULT));
+        assert_eq!(parse_event_retention("1h"), Ok(Duration::from_secs(3600)));
+        assert!(parse_event_retention("59m").is_err());
+        assert!(parse_event_retention("0s").is_err());
     }
 
     #[test]

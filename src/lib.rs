@@ -13,8 +13,11 @@
 //! - [`idempotency`]: the `Idempotency-Key` header, request fingerprints, and
 //!   the store that claims keys insert-first and completes them, fenced,
 //!   inside the caller's transaction.
-//! - [`ledger`]: money types, the pure planning of postings, and the
-//!   double-entry writes. Knows nothing of HTTP or idempotency records.
+//! - [`feed`]: the pull feed of events (`GET /events`): pages after a
+//!   cursor and long polls, bounded, ended at shutdown.
+//! - [`ledger`]: money types, the pure planning of postings, the
+//!   double-entry writes and the events (the outbox) written with them.
+//!   Knows nothing of HTTP or idempotency records.
 //! - [`problem`]: problem+json documents as exact bytes (stored rejections
 //!   are replayed byte for byte).
 //! - [`caches`]: bounded in-memory lookups (tokens, accounts, replays).
@@ -33,6 +36,7 @@ pub mod caches;
 pub mod cli;
 pub mod config;
 pub mod db;
+pub mod feed;
 pub mod http;
 pub mod idempotency;
 pub mod ledger;

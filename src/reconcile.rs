@@ -75,10 +75,20 @@ pub enum Check {
     /// A transfer's reversed amount is the sum of its reversals, each going
     /// back from its destination to its source.
     Reversals,
+    /// Every change to the ledger has exactly its event, and every event
+    /// its change: a transfer its `transfer.posted` (or `transfer.reversed`),
+    /// a hold its `hold.created` and, once it ended, the one event of its
+    /// end (`hold.posted`, `hold.voided`, `hold.expired`). Changes older
+    /// than what the purge deleted are not required to keep theirs.
+    LedgerEvents,
+    /// Each account's events are numbered without a gap or a repeat, the
+    /// last with the account's `event_seq` (from 1, until the purge deletes
+    /// the oldest).
+    EventSequences,
 }
 
 impl Check {
-    pub const ALL: [Check; 11] = [
+    pub const ALL: [Check; 13] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
@@ -86,6 +96,8 @@ impl Check {
         Check::HoldReservations,
         Check::HoldTransfers,
         Check::Reversals,
+        Check::LedgerEvents,
+        Check::EventSequences,
         Check::KeyTransfers,
         Check::CompletedKeyTransfer,
         Check::TransferKeyRecord,
@@ -95,7 +107,7 @@ impl Check {
     /// The checks on the ledger alone: they hold whatever state the
     /// idempotency records are in, so tests that leave records half-done on
     /// purpose, and the load generator, check the money with them.
-    pub const LEDGER: [Check; 7] = [
+    pub const LEDGER: [Check; 9] = [
         Check::TransferEntries,
         Check::AccountBalances,
         Check::CurrencyTotals,
@@ -103,6 +115,8 @@ impl Check {
         Check::HoldReservations,
         Check::HoldTransfers,
         Check::Reversals,
+        Check::LedgerEvents,
+        Check::EventSequences,
     ];
 
     /// The stable name used in reports and as the `check` metric label.
@@ -119,6 +133,8 @@ impl Check {
             Check::HoldReservations => "hold_reservations",
             Check::HoldTransfers => "hold_transfers",
             Check::Reversals => "reversals",
+            Check::LedgerEvents => "ledger_events",
+            Check::EventSequences => "event_sequences",
         }
     }
 
@@ -151,6 +167,12 @@ impl Check {
             Check::Reversals => {
                 "every transfer's reversed amount is the sum of its reversals, each from its destination back to its source"
             }
+            Check::LedgerEvents => {
+                "every transfer and every step of a hold has exactly its event (within the event retention), and every event its change"
+            }
+            Check::EventSequences => {
+                "every account's events are numbered without gaps or repeats, up to its event_seq"
+            }
         }
     }
 
@@ -166,8 +188,9 @@ impl Check {
                 &["principal_id", "idempotency_key"]
             }
             Check::TransferKeyRecord => &["transfer_id", "principal_id", "idempotency_key"],
-            Check::HoldReservations => &["account_id"],
+            Check::HoldReservations | Check::EventSequences => &["account_id"],
             Check::HoldTransfers | Check::Reversals => &["transfer_id"],
+            Check::LedgerEvents => &["transfer_id", "type"],
         }
     }
 
@@ -391,6 +414,67 @@ impl Check {
                  LEFT JOIN given g ON g.id = t.id
                  WHERE t.reversed_minor <> COALESCE(g.total, 0) OR COALESCE(g.misdirected, 0) > 0
                  ORDER BY t.id
+                 LIMIT $1"
+            }
+            // What the ledger says must have been announced, against what
+            // was: a full join of two grouped sets, each read once.
+            Check::LedgerEvents => {
+                "WITH expected AS MATERIALIZED (
+                     SELECT t.id, CASE WHEN t.reverses IS NULL THEN 'transfer.posted'
+                                       ELSE 'transfer.reversed' END AS type,
+                            t.created_at AS at
+                     FROM transfers t
+                     -- A hold's transfer is announced as the hold's post.
+                     WHERE NOT EXISTS (SELECT 1 FROM holds h WHERE h.id = t.id)
+                     UNION ALL
+                     SELECT id, 'hold.created', created_at FROM holds
+                     UNION ALL
+                     SELECT id, 'hold.' || status, resolved_at FROM holds WHERE status <> 'pending'
+                 ), written AS MATERIALIZED (
+                     SELECT resource_id AS id, type, count(*) AS n FROM events GROUP BY resource_id, type
+                 ), bad AS (
+                     SELECT COALESCE(x.id, w.id) AS id, COALESCE(x.type, w.type) AS type,
+                            x.id IS NOT NULL AS made, COALESCE(w.n, 0) AS n
+                     FROM expected x
+                     FULL JOIN written w ON w.id = x.id AND w.type = x.type
+                     WHERE CASE WHEN x.id IS NULL THEN true
+                                WHEN w.id IS NULL THEN x.at > (SELECT through FROM events_purged)
+                                ELSE w.n <> 1 END
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[id::text, type] AS ids,
+                        CASE WHEN made THEN 'exactly one event'
+                             ELSE 'no event: the ledger holds no such change' END AS expected,
+                        format('%s events', n) AS found
+                 FROM bad
+                 ORDER BY id, type
+                 LIMIT $1"
+            }
+            Check::EventSequences => {
+                "WITH numbered AS MATERIALIZED (
+                     SELECT from_account AS account_id, from_seq AS seq FROM events
+                     UNION ALL
+                     SELECT to_account, to_seq FROM events WHERE to_seq IS NOT NULL
+                 ), per_account AS (
+                     SELECT account_id, count(*) AS n, count(DISTINCT seq) AS distinct_n,
+                            min(seq) AS lo, max(seq) AS hi
+                     FROM numbered GROUP BY account_id
+                 ), purged AS (
+                     SELECT through > '-infinity' AS happened FROM events_purged
+                 )
+                 SELECT count(*) OVER () AS total,
+                        ARRAY[a.id] AS ids,
+                        format('events numbered %s to %s, each once', CASE WHEN (SELECT happened FROM purged)
+                               THEN 'from the oldest kept' ELSE '1' END, a.event_seq) AS expected,
+                        CASE WHEN p.account_id IS NULL THEN 'no events'
+                             ELSE format('%s events numbered %s to %s, %s distinct', p.n, p.lo, p.hi,
+                                         p.distinct_n) END AS found
+                 FROM accounts a
+                 LEFT JOIN per_account p ON p.account_id = a.id
+                 WHERE CASE WHEN p.account_id IS NULL THEN a.event_seq > 0 AND NOT (SELECT happened FROM purged)
+                            ELSE p.n <> p.distinct_n OR p.hi - p.lo + 1 <> p.n OR p.hi <> a.event_seq
+                                 OR (p.lo <> 1 AND NOT (SELECT happened FROM purged)) END
+                 ORDER BY a.id
                  LIMIT $1"
             }
             Check::KeysStuckInProgress => {

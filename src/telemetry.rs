@@ -17,6 +17,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 
 use crate::idempotency::store::Purged;
+use crate::ledger::events::{EventType, EventsPurged};
 use crate::reconcile::{Check, Report};
 
 pub const HTTP_REQUESTS_TOTAL: &str = "nexo_http_requests_total";
@@ -34,9 +35,13 @@ pub const RECONCILE_RUNS_TOTAL: &str = "nexo_reconcile_runs_total";
 pub const RECONCILE_LAST_RUN_TIMESTAMP_SECONDS: &str = "nexo_reconcile_last_run_timestamp_seconds";
 pub const RECONCILE_LAST_RUN_DURATION_SECONDS: &str = "nexo_reconcile_last_run_duration_seconds";
 pub const RECONCILE_LAST_RUN_DISCREPANCIES: &str = "nexo_reconcile_last_run_discrepancies";
+pub const EVENTS_WRITTEN_TOTAL: &str = "nexo_events_written_total";
+pub const EVENTS_PURGED_TOTAL: &str = "nexo_events_purged_total";
+pub const EVENTS_OLDEST_TIMESTAMP_SECONDS: &str = "nexo_events_oldest_timestamp_seconds";
+pub const EVENT_FEED_WAITERS: &str = "nexo_event_feed_waiters";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 15] = [
+pub const METRICS: [&str; 19] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
@@ -52,6 +57,10 @@ pub const METRICS: [&str; 15] = [
     RECONCILE_LAST_RUN_TIMESTAMP_SECONDS,
     RECONCILE_LAST_RUN_DURATION_SECONDS,
     RECONCILE_LAST_RUN_DISCREPANCIES,
+    EVENTS_WRITTEN_TOTAL,
+    EVENTS_PURGED_TOTAL,
+    EVENTS_OLDEST_TIMESTAMP_SECONDS,
+    EVENT_FEED_WAITERS,
 ];
 
 /// Every idempotency outcome the transfer handler records: the result of
@@ -198,6 +207,26 @@ fn describe() {
         Unit::Count,
         "Discrepancies the last completed reconciliation found, by check"
     );
+    describe_counter!(
+        EVENTS_WRITTEN_TOTAL,
+        Unit::Count,
+        "Events committed to the outbox by this instance, by type"
+    );
+    describe_counter!(
+        EVENTS_PURGED_TOTAL,
+        Unit::Count,
+        "Events the purge deleted past NEXO_EVENT_RETENTION"
+    );
+    describe_gauge!(
+        EVENTS_OLDEST_TIMESTAMP_SECONDS,
+        Unit::Seconds,
+        "Unix time of the oldest event kept, as the last purge found it (the purge's time when none)"
+    );
+    describe_gauge!(
+        EVENT_FEED_WAITERS,
+        Unit::Count,
+        "GET /events requests waiting for events (long polls) on this instance"
+    );
 
     for outcome in IDEMPOTENCY_OUTCOMES {
         counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).absolute(0);
@@ -216,6 +245,11 @@ fn describe() {
     for result in ["ok", "discrepancies", "error"] {
         counter!(RECONCILE_RUNS_TOTAL, "result" => result).absolute(0);
     }
+    for event in EventType::ALL {
+        counter!(EVENTS_WRITTEN_TOTAL, "type" => event.as_str()).absolute(0);
+    }
+    counter!(EVENTS_PURGED_TOTAL).absolute(0);
+    gauge!(EVENT_FEED_WAITERS).set(0.0);
 }
 
 /// Methods outside the standard set become `other`: a client may send any
@@ -263,6 +297,26 @@ pub fn hold_events(event: &'static str, count: u64) {
 
 pub fn transfer_posted() {
     counter!(TRANSFERS_POSTED_TOTAL).increment(1);
+}
+
+/// Events of one type, counted once their transaction committed.
+pub fn events_written(event: EventType, count: u64) {
+    counter!(EVENTS_WRITTEN_TOTAL, "type" => event.as_str()).increment(count);
+}
+
+/// A long poll of the event feed started (`1.0`) or ended (`-1.0`) waiting.
+pub fn event_feed_waiters(change: f64) {
+    gauge!(EVENT_FEED_WAITERS).increment(change);
+}
+
+/// One purge of events; `at` is when it ran, the oldest event's age when
+/// none is left.
+pub fn events_purge(result: &Result<EventsPurged, sqlx::Error>, at: chrono::DateTime<chrono::Utc>) {
+    if let Ok(purged) = result {
+        counter!(EVENTS_PURGED_TOTAL).increment(purged.deleted);
+        let oldest = purged.oldest.unwrap_or(at);
+        gauge!(EVENTS_OLDEST_TIMESTAMP_SECONDS).set(oldest.timestamp_micros() as f64 / 1e6);
+    }
 }
 
 /// `reason` is a problem type slug: a closed set.

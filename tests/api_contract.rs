@@ -341,6 +341,7 @@ fn every_api_error() -> Vec<ApiError> {
             param: None,
         },
         ApiError::invalid_query("limit", "x"),
+        ApiError::InvalidEventCursor,
         ApiError::NotFound,
         ApiError::MethodNotAllowed,
         ApiError::IdempotencyKeyReused,
@@ -369,6 +370,7 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::MalformedRequest { .. }
             | ApiError::Validation { .. }
             | ApiError::InvalidQuery { .. }
+            | ApiError::InvalidEventCursor
             | ApiError::NotFound
             | ApiError::MethodNotAllowed
             | ApiError::IdempotencyKeyReused

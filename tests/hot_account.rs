@@ -8,7 +8,7 @@ use common::*;
 use nexo_transfers::db::KeyPool;
 use nexo_transfers::ledger::repo::KeyLookup;
 use nexo_transfers::ledger::{
-    AmountMinor, Currency, LedgerError, LockMode, PostingOutcome, PostingRequest, repo,
+    AmountMinor, Currency, LedgerError, LockMode, PostingKind, PostingOutcome, PostingRequest, repo,
 };
 use nexo_transfers::principal::PrincipalId;
 
@@ -329,7 +329,7 @@ impl<'a> Postings<'a> {
                 amount: *amount,
                 currency: &self.usd,
                 description: None,
-                transfer_id: None,
+                kind: PostingKind::Transfer,
             })
             .collect()
     }

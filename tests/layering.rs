@@ -7,6 +7,7 @@ use std::path::Path;
 /// The modules below `http`, each a file or a folder under `src/`.
 const BELOW_HTTP: &[&str] = &[
     "transfers",
+    "feed.rs",
     "ledger",
     "idempotency",
     "caches.rs",

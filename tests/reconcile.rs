@@ -45,16 +45,6 @@ async fn reconcile(pool: &PgPool) -> Report {
         .expect("reconciliation ran")
 }
 
-/// The only checks that found something, with their totals.
-fn failing(report: &Report) -> Vec<(Check, u64)> {
-    report
-        .checks
-        .iter()
-        .filter(|c| !c.holds())
-        .map(|c| (c.check, c.discrepancies_total))
-        .collect()
-}
-
 /// Breaks the ledger on purpose: one statement, bound to one value.
 async fn tamper(pool: &PgPool, sql: &'static str, value: &str) {
     sqlx::query(sql)
@@ -68,7 +58,7 @@ async fn tamper(pool: &PgPool, sql: &'static str, value: &str) {
 /// and returns it.
 #[track_caller]
 fn sole_failure(report: &Report, check: Check) -> &reconcile::Discrepancy {
-    assert_eq!(failing(report), [(check, 1)], "{report}");
+    assert_eq!(failing_checks(report), [(check, 1)], "{report}");
     only_discrepancy(report, check)
 }
 
@@ -195,7 +185,7 @@ async fn a_missing_credit_is_a_broken_transfer_and_a_drifted_balance(pool: PgPoo
 
     let report = reconcile(&app.pool).await;
     assert_eq!(
-        failing(&report),
+        failing_checks(&report),
         [(Check::TransferEntries, 1), (Check::AccountBalances, 1)],
         "{report}"
     );
@@ -259,7 +249,7 @@ async fn a_balance_edited_by_hand_breaks_its_account_and_its_currency(pool: PgPo
 
     let report = reconcile(&app.pool).await;
     assert_eq!(
-        failing(&report),
+        failing_checks(&report),
         [(Check::AccountBalances, 1), (Check::CurrencyTotals, 1)],
         "{report}"
     );
@@ -552,7 +542,7 @@ async fn the_ledger_checks_alone_ignore_key_records_and_find_broken_money(pool: 
     .await;
     let broken = reconcile::run_ledger_checks(&app.pool).await.unwrap();
     assert_eq!(
-        failing(&broken),
+        failing_checks(&broken),
         [(Check::TransferEntries, 1), (Check::AccountBalances, 1)],
         "{broken}"
     );

@@ -46,6 +46,11 @@ pub enum ApiError {
         param: Option<&'static str>,
         detail: String,
     },
+    /// `after` on `GET /events` is not a cursor the feed handed out.
+    #[error(
+        "after must be a next_after, or an event's cursor, from an earlier answer of GET /events"
+    )]
+    InvalidEventCursor,
     #[error("not found")]
     NotFound,
     #[error("method not allowed")]
@@ -99,6 +104,7 @@ impl ApiError {
         match self {
             Self::Validation { param, .. } => Some(Cow::Borrowed(param)),
             Self::InvalidQuery { param, .. } => param.map(Cow::Borrowed),
+            Self::InvalidEventCursor => Some(Cow::Borrowed("after")),
             Self::MalformedRequest { param, .. } => param.clone().map(Cow::Owned),
             Self::IdempotencyKey(_) | Self::IdempotencyKeyReused => {
                 Some(Cow::Borrowed("Idempotency-Key"))
@@ -114,9 +120,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::IdempotencyKey(_) | Self::MalformedRequest { .. } | Self::InvalidQuery { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::IdempotencyKey(_)
+            | Self::MalformedRequest { .. }
+            | Self::InvalidQuery { .. }
+            | Self::InvalidEventCursor => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Validation { .. } | Self::IdempotencyKeyReused | Self::InsufficientFunds => {
@@ -145,6 +152,7 @@ impl ApiError {
             Self::MalformedRequest { .. } => "malformed-request",
             Self::Validation { kind, .. } => kind.slug(),
             Self::InvalidQuery { .. } => "invalid-query",
+            Self::InvalidEventCursor => "invalid-event-cursor",
             Self::NotFound => "not-found",
             Self::MethodNotAllowed => "method-not-allowed",
             Self::IdempotencyKeyReused => "idempotency-key-reused",
@@ -169,6 +177,7 @@ impl ApiError {
             Self::MalformedRequest { .. } => "Malformed request",
             Self::Validation { kind, .. } => kind.title(),
             Self::InvalidQuery { .. } => "Invalid query parameter",
+            Self::InvalidEventCursor => "Invalid event cursor",
             Self::NotFound => "Not found",
             Self::MethodNotAllowed => "Method not allowed",
             Self::IdempotencyKeyReused => "Idempotency key reused",

@@ -3,6 +3,7 @@
 pub mod accounts;
 pub mod docs;
 pub mod error;
+pub mod events;
 pub mod extract;
 pub mod health;
 pub mod keys;
@@ -23,6 +24,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use sqlx::PgPool;
+use tokio::sync::watch;
 use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
@@ -30,6 +32,7 @@ use tower_http::trace::TraceLayer;
 
 use crate::caches::Caches;
 use crate::config::{HttpConfig, PostingConfig, RateLimitConfig};
+use crate::feed::Feed;
 use crate::idempotency::Policy;
 use crate::transfers::Transfers;
 use crate::transfers::posting::Settings;
@@ -49,6 +52,11 @@ pub struct AppState {
     pub caches: Arc<Caches>,
     /// Creating transfers: checks, keys, the posting queues.
     pub transfers: Arc<Transfers>,
+    /// The pull feed of events.
+    pub feed: Arc<Feed>,
+    /// Set once the server is shutting down, so long polls end at once
+    /// instead of holding the graceful shutdown for their whole wait.
+    pub closing: Arc<watch::Sender<bool>>,
 }
 
 #[derive(Debug, Clone)]
@@ -70,7 +78,10 @@ impl AppState {
             config.posting.require_sync_standby,
         )
         .await?;
+        let (closing, closing_seen) = watch::channel(false);
         Ok(Self {
+            feed: Arc::new(Feed::new(pool.clone(), closing_seen)),
+            closing: Arc::new(closing),
             pool,
             caches: Arc::clone(&transfers.caches),
             transfers,
@@ -117,6 +128,7 @@ pub fn app(state: AppState) -> Router {
         .route("/idempotency-keys/{key}/cancel", post(keys::cancel))
         .route("/accounts/{account_id}", get(accounts::get))
         .route("/accounts/{account_id}/entries", get(accounts::entries))
+        .route("/events", get(events::list))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.yaml", get(docs::openapi))
@@ -249,7 +261,18 @@ async fn problem_request_id(request: Request, next: Next) -> Response {
 
 /// Bounds how long a client waits. The transfer task of a timed-out
 /// request keeps running and completes its key, so the retry replays it.
+/// A long poll of the event feed waits as long as it asked first (at most
+/// `feed::WAIT_MAX`), and then has the same bound as any request.
 async fn request_timeout(State(limit): State<Duration>, request: Request, next: Next) -> Response {
+    let long_poll = request
+        .extensions()
+        .get::<MatchedPath>()
+        .is_some_and(|route| route.as_str() == events::ROUTE);
+    let limit = if long_poll {
+        limit + crate::feed::WAIT_MAX
+    } else {
+        limit
+    };
     match tokio::time::timeout(limit, next.run(request)).await {
         Ok(response) => response,
         Err(_) => {
@@ -284,9 +307,11 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let deadline = state.config.posting.shutdown_timeout;
     let transfers = Arc::clone(&state.transfers);
+    let closing = Arc::clone(&state.closing);
     let (signalled, on_signal) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, app(state)).with_graceful_shutdown(async move {
         shutdown.await;
+        closing.send_replace(true);
         let _ = signalled.send(());
     });
     let mut server = std::pin::pin!(server.into_future());

@@ -10,7 +10,10 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::repo::{self, Account, KeyLookup, LockMode, PostingOutcome, PostingRequest, Transfer};
+use super::events::EventType;
+use super::repo::{
+    self, Account, KeyLookup, LockMode, PostingKind, PostingOutcome, PostingRequest, Transfer,
+};
 use super::{AmountMinor, Currency, Description, LedgerError, PlanMismatch};
 use crate::principal::PrincipalId;
 
@@ -69,6 +72,21 @@ impl Hold {
     }
 }
 
+/// The hold row aliased `h` as the API shows it, with `$receipt` (SQL for
+/// its receipt, or NULL): the `hold_resource` function of migration 0008.
+/// A literal so the statements built on it stay static SQL.
+macro_rules! hold_resource {
+    ($receipt:literal) => {
+        concat!(
+            "hold_resource(h.id, h.status, h.from_account, h.to_account, h.amount_minor,
+                           h.posted_amount_minor, h.currency, h.description, h.created_at,
+                           h.expires_at, h.resolved_at, ",
+            $receipt,
+            ")"
+        )
+    };
+}
+
 /// A literal so the queries built on it stay static SQL.
 macro_rules! select_hold {
     () => {
@@ -103,9 +121,9 @@ pub enum HoldOutcome {
 }
 
 /// Creates a hold inside the caller's transaction: locks the source, checks
-/// its available balance under the lock, writes the hold and reserves its
-/// amount. The caller has checked the key is unused
-/// ([`super::reversals::key_use`]).
+/// its available balance under the lock, writes the hold, reserves its
+/// amount and writes its event (`hold.created`), in one statement. The
+/// caller has checked the key is unused ([`super::reversals::key_use`]).
 pub async fn create(
     conn: &mut PgConnection,
     request: &HoldRequest<'_>,
@@ -132,7 +150,17 @@ pub async fn create(
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now() + make_interval(secs => $10))
              RETURNING *
          ), reserved AS (
-             UPDATE accounts SET held_minor = held_minor + $8 WHERE id = $5
+             UPDATE accounts SET held_minor = held_minor + $8, event_seq = event_seq + 1
+             WHERE id = $5
+             RETURNING event_seq
+         ), announced AS (
+             INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                                 from_principal, to_principal, from_seq, to_seq)
+             SELECT $12, h.id, ",
+        hold_resource!("NULL"),
+        ", h.created_at, h.from_account, h.to_account, $11,
+                    (SELECT principal_id FROM accounts WHERE id = h.to_account), r.event_seq, NULL
+             FROM inserted h, reserved r
          ) ",
         "SELECT id, principal_id, idempotency_key, request_fingerprint, from_account, to_account,
                 currency, amount_minor, description, status, created_at, expires_at, resolved_at,
@@ -149,6 +177,8 @@ pub async fn create(
     .bind(amount)
     .bind(request.description.map(Description::as_str))
     .bind(request.expires_in_seconds as f64)
+    .bind(source.principal_id)
+    .bind(EventType::HoldCreated.as_str())
     .fetch_one(&mut *conn)
     .await?;
     Ok(HoldOutcome::Created(Box::new(hold)))
@@ -209,7 +239,8 @@ pub enum Resolution<'a> {
 }
 
 /// Ends a hold locked by [`lock`] that is still pending: releases its
-/// reservation and, for a post, posts the transfer under the hold's id.
+/// reservation, posts the transfer under the hold's id for a post, and
+/// writes the hold's event (`hold.posted`, `hold.voided`, `hold.expired`).
 /// Returns the hold as it now stands, and the transfer a post wrote.
 pub async fn resolve(
     conn: &mut PgConnection,
@@ -222,16 +253,18 @@ pub async fn resolve(
         LockMode::Wait,
     )
     .await?;
-    release(&mut *conn, &hold.from_account, hold.amount_minor).await?;
-    for account in accounts.iter_mut().filter(|a| a.id == hold.from_account) {
-        account.held_minor -= hold.amount_minor;
-    }
     let (status, key, fingerprint, posted_amount, transfer) = match resolution {
         Resolution::Post {
             amount,
             key,
             fingerprint,
         } => {
+            // First, in a statement of its own: the debit that follows must
+            // find the reservation gone (CHECK balance >= held, per row).
+            release(&mut *conn, &hold.from_account, hold.amount_minor).await?;
+            for account in accounts.iter_mut().filter(|a| a.id == hold.from_account) {
+                account.held_minor -= hold.amount_minor;
+            }
             let transfer =
                 post_hold(&mut *conn, hold, amount, key, fingerprint, &mut accounts).await?;
             (
@@ -251,12 +284,40 @@ pub async fn resolve(
         ),
         Resolution::Expire => (HoldStatus::Expired, None, None, None, None),
     };
+    let account = |id: &str| accounts.iter().find(|a| a.id == id);
+    let owner = |id: &str| account(id).and_then(|a| a.principal_id);
+    // A post's sequence numbers were taken by its posting (which keeps
+    // `accounts` current); a void or an expiry takes the source's next one
+    // with the release below.
+    let posted_seqs = transfer.as_ref().map(|_| {
+        (
+            account(&hold.from_account).map(|a| a.event_seq),
+            account(&hold.to_account).map(|a| a.event_seq),
+        )
+    });
+    let (from_seq, to_seq) = posted_seqs.unwrap_or((None, None));
+    let release_now = transfer.is_none().then_some(hold.amount_minor);
     let resolved: Hold = sqlx::query_as(concat!(
         "WITH resolved AS (
              UPDATE holds SET status = $2, resolved_at = now(), resolved_key = $3,
                               resolved_fingerprint = $4, posted_amount_minor = $5
              WHERE id = $1 AND status = 'pending'
              RETURNING *
+         ), released AS (
+             UPDATE accounts a SET held_minor = a.held_minor - $6, event_seq = a.event_seq + 1
+             FROM resolved h
+             WHERE $6::int8 IS NOT NULL AND a.id = h.from_account
+             RETURNING a.event_seq
+         ), announced AS (
+             INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                                 from_principal, to_principal, from_seq, to_seq)
+             SELECT $9, h.id, ",
+        hold_resource!(
+            "CASE WHEN $12::text IS NULL THEN NULL ELSE receipt_resource($12, $13, $14, $15) END"
+        ),
+        ", h.resolved_at, h.from_account, h.to_account, $10, $11,
+                    COALESCE((SELECT event_seq FROM released), $7), $8
+             FROM resolved h
          ) ",
         "SELECT id, principal_id, idempotency_key, request_fingerprint, from_account, to_account,
                 currency, amount_minor, description, status, created_at, expires_at, resolved_at,
@@ -268,12 +329,34 @@ pub async fn resolve(
     .bind(key)
     .bind(fingerprint)
     .bind(posted_amount)
+    .bind(release_now)
+    .bind(from_seq)
+    .bind(to_seq)
+    .bind(event_type(status).as_str())
+    .bind(owner(&hold.from_account))
+    .bind(owner(&hold.to_account))
+    .bind(transfer.as_ref().map(|t| t.receipt_id.as_str()))
+    .bind(transfer.as_ref().map(|t| t.debit_entry_id))
+    .bind(transfer.as_ref().map(|t| t.credit_entry_id))
+    .bind(transfer.as_ref().map(|t| t.created_at))
     .fetch_optional(&mut *conn)
     .await?
     .ok_or(LedgerError::HoldNotPending(hold.id))?;
     Ok((resolved, transfer))
 }
 
+/// The event of a hold reaching `status`.
+fn event_type(status: HoldStatus) -> EventType {
+    match status {
+        HoldStatus::Pending => EventType::HoldCreated,
+        HoldStatus::Posted => EventType::HoldPosted,
+        HoldStatus::Voided => EventType::HoldVoided,
+        HoldStatus::Expired => EventType::HoldExpired,
+    }
+}
+
+/// Releases a hold's reservation ahead of the posting that takes its
+/// place; the posting takes the accounts' event numbers.
 async fn release(conn: &mut PgConnection, account: &str, amount: i64) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE accounts SET held_minor = held_minor - $2 WHERE id = $1")
         .bind(account)
@@ -315,7 +398,7 @@ async fn post_hold(
         amount,
         currency: &currency,
         description: description.as_ref(),
-        transfer_id: Some(hold.id),
+        kind: PostingKind::HoldPost { hold_id: hold.id },
     };
     let mut outcomes = repo::post_locked(
         conn,
@@ -339,10 +422,12 @@ pub const EXPIRY_BATCH_MAX: i64 = 500;
 /// Expires pending holds past their expiry, oldest first, at most
 /// `batch` of them, in the caller's transaction. Holds locked by a request
 /// that is posting or voiding them are skipped (that request expires them
-/// itself when it finds them due). Returns how many it expired.
+/// itself when it finds them due). The expiry, the release of every
+/// reservation and every `hold.expired` event are one statement, once the
+/// sources are locked in id order. Returns how many it expired.
 pub async fn expire_due(conn: &mut PgConnection, batch: i64) -> Result<u64, LedgerError> {
-    let due: Vec<(Uuid, String, i64)> = sqlx::query_as(
-        "SELECT id, from_account, amount_minor FROM holds
+    let due: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, from_account FROM holds
          WHERE status = 'pending' AND expires_at <= now()
          ORDER BY expires_at
          LIMIT $1
@@ -354,37 +439,54 @@ pub async fn expire_due(conn: &mut PgConnection, batch: i64) -> Result<u64, Ledg
     if due.is_empty() {
         return Ok(0);
     }
-    let mut sources: Vec<&str> = due.iter().map(|(_, from, _)| from.as_str()).collect();
+    let mut sources: Vec<&str> = due.iter().map(|(_, from)| from.as_str()).collect();
     sources.sort_unstable();
     sources.dedup();
     repo::lock_accounts(&mut *conn, &sources, LockMode::Wait).await?;
-    let ids: Vec<Uuid> = due.iter().map(|(id, _, _)| *id).collect();
-    let (froms, amounts): (Vec<&str>, Vec<i64>) = due
-        .iter()
-        .map(|(_, from, amount)| (from.as_str(), *amount))
-        .unzip();
-    let expired = sqlx::query(
-        "UPDATE holds SET status = 'expired', resolved_at = now()
-         WHERE id = ANY($1) AND status = 'pending'",
-    )
+    let ids: Vec<Uuid> = due.iter().map(|(id, _)| *id).collect();
+    // Each source's events take its next numbers in the order the
+    // positions are taken, so its numbers and positions agree.
+    let (expired, announced): (i64, i64) = sqlx::query_as(concat!(
+        "WITH expired AS (
+             UPDATE holds SET status = 'expired', resolved_at = now()
+             WHERE id = ANY($1) AND status = 'pending'
+             RETURNING *
+         ), per_source AS (
+             SELECT from_account, sum(amount_minor)::bigint AS total, count(*) AS n
+             FROM expired GROUP BY from_account
+         ), released AS (
+             UPDATE accounts a SET held_minor = a.held_minor - s.total, event_seq = a.event_seq + s.n
+             FROM per_source s
+             WHERE a.id = s.from_account
+             RETURNING a.id, a.event_seq - s.n AS opening_seq, a.principal_id
+         ), announced AS (
+             INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                                 from_principal, to_principal, from_seq, to_seq)
+             SELECT $2, h.id, ",
+        hold_resource!("NULL"),
+        ", h.resolved_at, h.from_account, h.to_account, r.principal_id,
+                    (SELECT principal_id FROM accounts WHERE id = h.to_account),
+                    r.opening_seq + row_number() OVER (PARTITION BY h.from_account
+                                                       ORDER BY h.expires_at, h.id),
+                    NULL
+             FROM expired h
+             JOIN released r ON r.id = h.from_account
+             ORDER BY h.expires_at, h.id
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM expired), (SELECT count(*) FROM announced)"
+    ))
     .bind(&ids)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if expired != ids.len() as u64 {
+    .bind(EventType::HoldExpired.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
+    if usize::try_from(expired).ok() != Some(ids.len()) || announced != expired {
         return Err(LedgerError::PlanMismatch(PlanMismatch::StoredValue(
-            format!("{expired} of {} locked pending holds expired", ids.len()),
+            format!(
+                "{expired} of {} locked pending holds expired, with {announced} events",
+                ids.len()
+            ),
         )));
     }
-    sqlx::query(
-        "UPDATE accounts a SET held_minor = a.held_minor - r.total
-         FROM (SELECT id, sum(amount)::bigint AS total
-               FROM unnest($1::text[], $2::int8[]) AS h(id, amount) GROUP BY id) r
-         WHERE a.id = r.id",
-    )
-    .bind(&froms)
-    .bind(&amounts)
-    .execute(&mut *conn)
-    .await?;
-    Ok(expired)
+    Ok(u64::try_from(expired).unwrap_or(0))
 }

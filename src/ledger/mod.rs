@@ -2,6 +2,7 @@
 //! nothing of HTTP or of idempotency records; callers hand it a connection
 //! inside their transaction.
 
+pub mod events;
 pub mod holds;
 pub mod money;
 pub mod plan;
@@ -11,7 +12,7 @@ pub mod reversals;
 use uuid::Uuid;
 
 pub use money::{AccountId, AmountMinor, Currency, Description};
-pub use repo::{Account, Entry, LockMode, PostingOutcome, PostingRequest, Transfer};
+pub use repo::{Account, Entry, LockMode, PostingKind, PostingOutcome, PostingRequest, Transfer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -54,6 +55,8 @@ pub enum PlanMismatch {
     MissingEntries(Uuid),
     #[error("transfer {0} has entries out of order")]
     EntryOrder(Uuid),
+    #[error("{written} of {planned} events written")]
+    EventsWritten { written: usize, planned: usize },
     /// A value read back from the database that its constraints should
     /// have kept valid.
     #[error("{0}")]

@@ -13,13 +13,16 @@ pub enum Plan {
     InsufficientFunds,
 }
 
-/// A transfer to write, with the balances its two entries record.
+/// A transfer to write, with the balances its two entries record and the
+/// sequence numbers its event takes on its two accounts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Planned {
     pub id: Uuid,
     pub receipt_id: String,
     pub debit_balance_after: i64,
     pub credit_balance_after: i64,
+    pub from_seq: i64,
+    pub to_seq: i64,
 }
 
 /// One ledger entry to write: signed amount, and the balance its account
@@ -34,7 +37,8 @@ pub struct PlannedEntry<'a> {
 
 /// Decides each transfer in order against the locked balances, moving them
 /// in `accounts` as it goes: a transfer is checked against what the ones
-/// before it left, as if they had been posted one by one.
+/// before it left, as if they had been posted one by one. Each posted
+/// transfer also takes the next event sequence number of both its accounts.
 pub fn plan(
     requests: &[PostingRequest<'_>],
     accounts: &mut [Account],
@@ -77,11 +81,15 @@ pub fn plan(
             .ok_or_else(|| out_of_range(&accounts[to]))?;
         accounts[from].balance_minor = debited;
         accounts[to].balance_minor = credited;
+        accounts[from].event_seq += 1;
+        accounts[to].event_seq += 1;
         plans.push(Plan::Post(Planned {
-            id: request.transfer_id.unwrap_or_else(Uuid::now_v7),
+            id: request.kind.transfer_id().unwrap_or_else(Uuid::now_v7),
             receipt_id: format!("rcpt_{}", Uuid::new_v4().simple()),
             debit_balance_after: debited,
             credit_balance_after: credited,
+            from_seq: accounts[from].event_seq,
+            to_seq: accounts[to].event_seq,
         }));
     }
     Ok(plans)
@@ -114,23 +122,22 @@ pub fn entries<'a>(posted: &[(&PostingRequest<'a>, &Planned)]) -> Vec<PlannedEnt
         .collect()
 }
 
-/// The accounts whose balance the plan changes, with their opening
-/// balances: `closing` is `opening` after [`plan`].
+/// The accounts the plan touches, as (opening, closing): `closing` is
+/// `opening` after [`plan`]. An account a posting touched took an event
+/// sequence number even when the batch left its balance where it was.
 pub fn moved_accounts<'a>(
     opening: &'a [Account],
     closing: &'a [Account],
-) -> impl Iterator<Item = (&'a Account, i64)> + 'a {
-    opening
-        .iter()
-        .zip(closing)
-        .filter(|(before, after)| before.balance_minor != after.balance_minor)
-        .map(|(before, after)| (after, before.balance_minor))
+) -> impl Iterator<Item = (&'a Account, &'a Account)> + 'a {
+    opening.iter().zip(closing).filter(|(before, after)| {
+        before.balance_minor != after.balance_minor || before.event_seq != after.event_seq
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::{AmountMinor, Currency};
+    use crate::ledger::{AmountMinor, Currency, PostingKind};
 
     fn account(id: &str, balance_minor: i64, allow_negative: bool) -> Account {
         Account {
@@ -140,6 +147,7 @@ mod tests {
             balance_minor,
             held_minor: 0,
             allow_negative,
+            event_seq: 0,
         }
     }
 
@@ -162,7 +170,7 @@ mod tests {
             amount: AmountMinor::parse(amount).unwrap_or_else(|e| panic!("{e}")),
             currency,
             description: None,
-            transfer_id: None,
+            kind: PostingKind::Transfer,
         }
     }
 
@@ -267,12 +275,13 @@ mod tests {
     }
 
     #[test]
-    fn only_accounts_whose_balance_changed_are_moved() {
+    fn every_account_a_posting_touched_is_moved_even_back_to_its_balance() {
         let usd = usd();
         let opening = vec![
             account("acc_a", 100, false),
             account("acc_b", 0, false),
             account("acc_c", 7, false),
+            account("acc_d", 5, false),
         ];
         let mut closing = opening.clone();
         let requests = [
@@ -281,9 +290,50 @@ mod tests {
             request("acc_c", "acc_b", 1, &usd),
         ];
         plan(&requests, &mut closing).unwrap_or_else(|e| panic!("{e}"));
-        let moved: Vec<(&str, i64, i64)> = moved_accounts(&opening, &closing)
-            .map(|(after, before)| (after.id.as_str(), before, after.balance_minor))
+        let moved: Vec<(&str, i64, i64, i64)> = moved_accounts(&opening, &closing)
+            .map(|(before, after)| {
+                (
+                    after.id.as_str(),
+                    before.balance_minor,
+                    after.balance_minor,
+                    after.event_seq,
+                )
+            })
             .collect();
-        assert_eq!(moved, [("acc_b", 0, 1), ("acc_c", 7, 6)]);
+        assert_eq!(
+            moved,
+            [
+                ("acc_a", 100, 100, 2),
+                ("acc_b", 0, 1, 3),
+                ("acc_c", 7, 6, 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn each_posting_takes_the_next_sequence_number_of_both_its_accounts() {
+        let usd = usd();
+        let mut accounts = vec![account("acc_a", 100, false), account("acc_b", 0, false)];
+        accounts[0].event_seq = 41;
+        let requests = [
+            request("acc_a", "acc_b", 10, &usd),
+            request("acc_a", "acc_b", 1_000, &usd),
+            request("acc_b", "acc_a", 4, &usd),
+        ];
+        let plans = plan(&requests, &mut accounts).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (posted(&plans[0]).from_seq, posted(&plans[0]).to_seq),
+            (42, 1)
+        );
+        assert_eq!(
+            plans[1],
+            Plan::InsufficientFunds,
+            "a refusal takes no number"
+        );
+        assert_eq!(
+            (posted(&plans[2]).from_seq, posted(&plans[2]).to_seq),
+            (2, 43)
+        );
+        assert_eq!((accounts[0].event_seq, accounts[1].event_seq), (43, 2));
     }
 }

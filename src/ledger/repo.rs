@@ -6,6 +6,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
 
+use super::events::EventType;
 use super::plan::{self, Plan, Planned};
 use super::{AmountMinor, Currency, Description, LedgerError, PlanMismatch};
 use crate::principal::PrincipalId;
@@ -19,6 +20,9 @@ pub struct Account {
     /// The sum of the account's pending holds: reserved, not yet moved.
     pub held_minor: i64,
     pub allow_negative: bool,
+    /// How many events changed this account: the sequence number of its
+    /// latest (`events.from_seq` / `to_seq`).
+    pub event_seq: i64,
 }
 
 impl Account {
@@ -79,9 +83,58 @@ pub struct PostingRequest<'a> {
     pub amount: AmountMinor,
     pub currency: &'a Currency,
     pub description: Option<&'a Description>,
-    /// The id the transfer is posted under: a hold's, when it posts a
-    /// hold; a fresh one otherwise.
-    pub transfer_id: Option<Uuid>,
+    /// What the posting is beyond the money it moves.
+    pub kind: PostingKind,
+}
+
+/// What a posting is beyond the money it moves: the event it announces and
+/// the links its row carries, both written by the statement that posts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostingKind {
+    /// An ordinary transfer, or an operator's deposit: `transfer.posted`.
+    Transfer,
+    /// Leg `leg` (from 0) of an atomic batch: `transfer.posted`, with its
+    /// batch.
+    BatchLeg { batch_id: Uuid, leg: i16 },
+    /// Gives (part of) `original` back: `transfer.reversed`.
+    Reversal { original: Uuid },
+    /// Posts a hold, under the hold's id. The event (`hold.posted`) shows
+    /// the hold, so the hold's resolution writes it, with the account
+    /// sequences this posting took.
+    HoldPost { hold_id: Uuid },
+}
+
+impl PostingKind {
+    /// The id the transfer is posted under, when it is not a fresh one.
+    pub fn transfer_id(self) -> Option<Uuid> {
+        match self {
+            Self::HoldPost { hold_id } => Some(hold_id),
+            _ => None,
+        }
+    }
+
+    /// The event the posting statement writes for it.
+    fn event(self) -> Option<EventType> {
+        match self {
+            Self::Transfer | Self::BatchLeg { .. } => Some(EventType::TransferPosted),
+            Self::Reversal { .. } => Some(EventType::TransferReversed),
+            Self::HoldPost { .. } => None,
+        }
+    }
+
+    fn reverses(self) -> Option<Uuid> {
+        match self {
+            Self::Reversal { original } => Some(original),
+            _ => None,
+        }
+    }
+
+    fn batch(self) -> (Option<Uuid>, Option<i16>) {
+        match self {
+            Self::BatchLeg { batch_id, leg } => (Some(batch_id), Some(leg)),
+            _ => (None, None),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,6 +249,7 @@ struct Written {
     debit_entry_id: Option<i64>,
     credit_entry_id: Option<i64>,
     accounts_moved: i64,
+    events_written: i64,
 }
 
 /// Posts transfers whose accounts the caller's transaction has already
@@ -251,6 +305,10 @@ pub async fn post_locked(
             &written,
             posted.len(),
             plan::moved_accounts(accounts, &closing).count(),
+            posted
+                .iter()
+                .filter(|(r, _)| r.kind.event().is_some())
+                .count(),
         )?;
         written.into_iter().map(|w| (w.id, w)).collect()
     };
@@ -300,6 +358,7 @@ fn check_written(
     written: &[Written],
     planned: usize,
     accounts_planned: usize,
+    events_planned: usize,
 ) -> Result<(), LedgerError> {
     if written.len() < planned {
         return Err(LedgerError::KeyAlreadyUsed);
@@ -318,6 +377,16 @@ fn check_written(
         return Err(PlanMismatch::AccountsMoved {
             moved: usize::try_from(w.accounts_moved).unwrap_or(usize::MAX),
             planned: accounts_planned,
+        }
+        .into());
+    }
+    if let Some(w) = written
+        .iter()
+        .find(|w| usize::try_from(w.events_written).ok() != Some(events_planned))
+    {
+        return Err(PlanMismatch::EventsWritten {
+            written: usize::try_from(w.events_written).unwrap_or(usize::MAX),
+            planned: events_planned,
         }
         .into());
     }
@@ -361,25 +430,33 @@ fn written_transfer(
         created_at,
         debit_entry_id,
         credit_entry_id,
-        reverses: None,
+        reverses: request.kind.reverses(),
         reversed_minor: 0,
-        batch_id: None,
+        batch_id: request.kind.batch().0,
     })
 }
 
 /// The one statement that writes planned transfers: the transfer rows, then
 /// (only if every one of them was inserted) their entries, debit before
-/// credit in plan order, and each moved balance set to its planned closing
-/// balance, only where it still holds the opening balance read under the
-/// lock. The accounts are locked, so the foreign-key checks at the end of
-/// the statement find rows this transaction holds. Returns one row per
-/// inserted transfer.
+/// credit in plan order, each account they touched set to its planned
+/// closing balance and event sequence (only where it still holds the
+/// opening ones read under the lock), and each transfer's event, in plan
+/// order, rendered from the rows just written (the entry ids and the time
+/// exist only here). The accounts are locked, so the foreign-key checks at
+/// the end of the statement find rows this transaction holds. Returns one
+/// row per inserted transfer.
 async fn write_planned(
     conn: &mut PgConnection,
     posted: &[(&PostingRequest<'_>, &Planned)],
     opening: &[Account],
     closing: &[Account],
 ) -> Result<Vec<Written>, sqlx::Error> {
+    let owner = |id: &str| {
+        opening
+            .iter()
+            .find(|a| a.id == id)
+            .and_then(|a| a.principal_id)
+    };
     let mut t = TransferColumns::default();
     for (request, planned) in posted {
         t.ids.push(planned.id);
@@ -393,6 +470,16 @@ async fn write_planned(
         t.descriptions
             .push(request.description.map(Description::as_str));
         t.receipts.push(planned.receipt_id.as_str());
+        t.reverses.push(request.kind.reverses());
+        let (batch_id, batch_leg) = request.kind.batch();
+        t.batch_ids.push(batch_id);
+        t.batch_legs.push(batch_leg);
+        t.event_types
+            .push(request.kind.event().map(EventType::as_str));
+        t.from_owners.push(owner(request.from));
+        t.to_owners.push(owner(request.to));
+        t.from_seqs.push(planned.from_seq);
+        t.to_seqs.push(planned.to_seq);
     }
     let mut e = EntryColumns::default();
     for (entry, currency) in plan::entries(posted)
@@ -405,27 +492,35 @@ async fn write_planned(
         e.amounts.push(entry.amount_minor);
         e.balances_after.push(entry.balance_after_minor);
     }
-    let (mut moved_ids, mut openings, mut closings) = (Vec::new(), Vec::new(), Vec::new());
-    for (account, before) in plan::moved_accounts(opening, closing) {
-        moved_ids.push(account.id.as_str());
-        openings.push(before);
-        closings.push(account.balance_minor);
+    let mut m = MovedColumns::default();
+    for (before, after) in plan::moved_accounts(opening, closing) {
+        m.ids.push(after.id.as_str());
+        m.openings.push(before.balance_minor);
+        m.closings.push(after.balance_minor);
+        m.opening_seqs.push(before.event_seq);
+        m.closing_seqs.push(after.event_seq);
     }
     let planned = i64::try_from(t.ids.len()).unwrap_or(i64::MAX);
     sqlx::query_as(
         "WITH transfer AS (
              INSERT INTO transfers (id, principal_id, idempotency_key, request_fingerprint,
-                                    from_account, to_account, currency, amount_minor, description, receipt_id)
+                                    from_account, to_account, currency, amount_minor, description, receipt_id,
+                                    reverses, batch_id, batch_leg)
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::text[],
-                                  $6::text[], $7::text[], $8::int8[], $9::text[], $10::text[])
+                                  $6::text[], $7::text[], $8::int8[], $9::text[], $10::text[],
+                                  $20::uuid[], $21::uuid[], $22::int2[])
              ON CONFLICT (principal_id, idempotency_key) DO NOTHING
-             RETURNING id, created_at, status
+             RETURNING id, created_at, status, from_account, to_account, currency, amount_minor,
+                       description, receipt_id, reverses, batch_id
          ), complete AS (
              SELECT count(*) = $11 AS all_inserted FROM transfer
          ), moved AS (
-             UPDATE accounts a SET balance_minor = m.closing
-             FROM unnest($12::text[], $13::int8[], $14::int8[]) AS m(id, opening, closing), complete
-             WHERE complete.all_inserted AND a.id = m.id AND a.balance_minor = m.opening
+             UPDATE accounts a SET balance_minor = m.closing, event_seq = m.closing_seq
+             FROM unnest($12::text[], $13::int8[], $14::int8[], $23::int8[], $24::int8[])
+                  AS m(id, opening, closing, opening_seq, closing_seq),
+                  complete
+             WHERE complete.all_inserted AND a.id = m.id
+               AND a.balance_minor = m.opening AND a.event_seq = m.opening_seq
              RETURNING a.id
          ), entries AS (
              INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
@@ -436,11 +531,30 @@ async fn write_planned(
              WHERE complete.all_inserted
              ORDER BY e.n
              RETURNING id, transfer_id, amount_minor
+         ), announced AS (
+             INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                                 from_principal, to_principal, from_seq, to_seq)
+             SELECT v.type, t.id,
+                    transfer_resource(t.id, t.status, t.from_account, t.to_account, t.amount_minor,
+                                      t.currency, t.description, t.created_at,
+                                      receipt_resource(t.receipt_id, d.id, c.id, t.created_at),
+                                      t.reverses, t.batch_id),
+                    t.created_at, t.from_account, t.to_account,
+                    v.from_principal, v.to_principal, v.from_seq, v.to_seq
+             FROM unnest($1::uuid[], $25::text[], $26::uuid[], $27::uuid[], $28::int8[], $29::int8[])
+                  WITH ORDINALITY AS v(id, type, from_principal, to_principal, from_seq, to_seq, n)
+             JOIN transfer t ON t.id = v.id
+             JOIN entries d ON d.transfer_id = v.id AND d.amount_minor < 0
+             JOIN entries c ON c.transfer_id = v.id AND c.amount_minor > 0
+             WHERE v.type IS NOT NULL
+             ORDER BY v.n
+             RETURNING 1
          )
          SELECT t.id, t.created_at, t.status,
                 (SELECT e.id FROM entries e WHERE e.transfer_id = t.id AND e.amount_minor < 0) AS debit_entry_id,
                 (SELECT e.id FROM entries e WHERE e.transfer_id = t.id AND e.amount_minor > 0) AS credit_entry_id,
-                (SELECT count(*) FROM moved) AS accounts_moved
+                (SELECT count(*) FROM moved) AS accounts_moved,
+                (SELECT count(*) FROM announced) AS events_written
          FROM transfer t",
     )
     .bind(&t.ids)
@@ -454,14 +568,24 @@ async fn write_planned(
     .bind(&t.descriptions)
     .bind(&t.receipts)
     .bind(planned)
-    .bind(&moved_ids)
-    .bind(&openings)
-    .bind(&closings)
+    .bind(&m.ids)
+    .bind(&m.openings)
+    .bind(&m.closings)
     .bind(&e.transfers)
     .bind(&e.accounts)
     .bind(&e.currencies)
     .bind(&e.amounts)
     .bind(&e.balances_after)
+    .bind(&t.reverses)
+    .bind(&t.batch_ids)
+    .bind(&t.batch_legs)
+    .bind(&m.opening_seqs)
+    .bind(&m.closing_seqs)
+    .bind(&t.event_types)
+    .bind(&t.from_owners)
+    .bind(&t.to_owners)
+    .bind(&t.from_seqs)
+    .bind(&t.to_seqs)
     .fetch_all(conn)
     .await
 }
@@ -478,6 +602,15 @@ struct TransferColumns<'a> {
     amounts: Vec<i64>,
     descriptions: Vec<Option<&'a str>>,
     receipts: Vec<&'a str>,
+    reverses: Vec<Option<Uuid>>,
+    batch_ids: Vec<Option<Uuid>>,
+    batch_legs: Vec<Option<i16>>,
+    /// NULL where the caller writes the event itself (a hold's post).
+    event_types: Vec<Option<&'static str>>,
+    from_owners: Vec<Option<PrincipalId>>,
+    to_owners: Vec<Option<PrincipalId>>,
+    from_seqs: Vec<i64>,
+    to_seqs: Vec<i64>,
 }
 
 #[derive(Default)]
@@ -487,6 +620,15 @@ struct EntryColumns<'a> {
     currencies: Vec<&'a str>,
     amounts: Vec<i64>,
     balances_after: Vec<i64>,
+}
+
+#[derive(Default)]
+struct MovedColumns<'a> {
+    ids: Vec<&'a str>,
+    openings: Vec<i64>,
+    closings: Vec<i64>,
+    opening_seqs: Vec<i64>,
+    closing_seqs: Vec<i64>,
 }
 
 /// Locks accounts for the rest of the caller's transaction, in id order:
@@ -504,11 +646,11 @@ pub async fn lock_accounts(
 ) -> Result<Vec<Account>, sqlx::Error> {
     let query = match mode {
         LockMode::Wait => {
-            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative
+            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative, event_seq
              FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE"
         }
         LockMode::SkipLocked => {
-            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative
+            "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative, event_seq
              FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED"
         }
     };
@@ -672,7 +814,8 @@ pub async fn get_account<'e>(
     id: &str,
 ) -> Result<Option<Account>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative FROM accounts WHERE id = $1",
+        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative, event_seq
+         FROM accounts WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(executor)
@@ -687,7 +830,8 @@ pub async fn get_accounts<'e>(
     ids: &[&str],
 ) -> Result<Vec<Account>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative FROM accounts WHERE id = ANY($1)",
+        "SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative, event_seq
+         FROM accounts WHERE id = ANY($1)",
     )
     .bind(ids)
     .fetch_all(executor)

@@ -8,7 +8,9 @@ use uuid::Uuid;
 
 use super::holds::{self, Hold};
 use super::plan::{self, Plan};
-use super::repo::{self, KeyLookup, LockMode, PostingOutcome, PostingRequest, Transfer};
+use super::repo::{
+    self, KeyLookup, LockMode, PostingKind, PostingOutcome, PostingRequest, Transfer,
+};
 use super::{AmountMinor, Currency, Description, LedgerError, PlanMismatch};
 use crate::principal::PrincipalId;
 
@@ -128,7 +130,9 @@ pub async fn reverse(
         amount,
         currency: &currency,
         description: request.description,
-        transfer_id: None,
+        kind: PostingKind::Reversal {
+            original: request.original,
+        },
     };
     let outcome = repo::post_locked(
         &mut *conn,
@@ -138,7 +142,7 @@ pub async fn reverse(
     )
     .await?
     .pop();
-    let mut reversal = match outcome {
+    let reversal = match outcome {
         Some(PostingOutcome::Posted(t)) => t,
         Some(PostingOutcome::InsufficientFunds) => return Ok(ReversalOutcome::InsufficientFunds),
         Some(PostingOutcome::AlreadyPosted(_)) => return Err(LedgerError::KeyAlreadyUsed),
@@ -150,16 +154,11 @@ pub async fn reverse(
             .into());
         }
     };
-    sqlx::query(
-        "WITH linked AS (UPDATE transfers SET reverses = $2 WHERE id = $1)
-         UPDATE transfers SET reversed_minor = reversed_minor + $3 WHERE id = $2",
-    )
-    .bind(reversal.id)
-    .bind(request.original)
-    .bind(amount.get())
-    .execute(&mut *conn)
-    .await?;
-    reversal.reverses = Some(request.original);
+    sqlx::query("UPDATE transfers SET reversed_minor = reversed_minor + $2 WHERE id = $1")
+        .bind(request.original)
+        .bind(amount.get())
+        .execute(&mut *conn)
+        .await?;
     Ok(ReversalOutcome::Posted(Box::new(reversal)))
 }
 
@@ -210,13 +209,16 @@ pub async fn post_batch(
     legs: &[Leg<'_>],
 ) -> Result<BatchOutcome, LedgerError> {
     let batch_id = Uuid::now_v7();
-    let leg_keys: Vec<String> = (0..legs.len())
+    let legs_count = i16::try_from(legs.len())
+        .map_err(|_| PlanMismatch::StoredValue("too many legs".to_owned()))?;
+    let leg_keys: Vec<String> = (0..legs_count)
         .map(|n| format!("batch:{batch_id}:{n}"))
         .collect();
     let requests: Vec<PostingRequest<'_>> = legs
         .iter()
         .zip(&leg_keys)
-        .map(|(leg, leg_key)| PostingRequest {
+        .zip(0..legs_count)
+        .map(|((leg, leg_key), n)| PostingRequest {
             principal_id: Some(principal_id),
             idempotency_key: leg_key,
             fingerprint,
@@ -225,7 +227,7 @@ pub async fn post_batch(
             amount: leg.amount,
             currency: leg.currency,
             description: leg.description,
-            transfer_id: None,
+            kind: PostingKind::BatchLeg { batch_id, leg: n },
         })
         .collect();
     let mut ids: Vec<&str> = legs.iter().flat_map(|l| [l.from, l.to]).collect();
@@ -239,8 +241,7 @@ pub async fn post_batch(
     {
         return Ok(BatchOutcome::InsufficientFunds { leg });
     }
-    let legs_count = i16::try_from(legs.len())
-        .map_err(|_| PlanMismatch::StoredValue("too many legs".to_owned()))?;
+    // Before its legs: each names it (a foreign key).
     let batch: Batch = sqlx::query_as(
         "INSERT INTO transfer_batches (id, principal_id, idempotency_key, request_fingerprint, legs)
          VALUES ($1, $2, $3, $4, $5)
@@ -266,19 +267,6 @@ pub async fn post_batch(
                 .into());
             }
         }
-    }
-    let leg_ids: Vec<Uuid> = posted.iter().map(|t| t.id).collect();
-    sqlx::query(
-        "UPDATE transfers t SET batch_id = $1, batch_leg = (l.n - 1)::smallint
-         FROM unnest($2::uuid[]) WITH ORDINALITY AS l(id, n)
-         WHERE t.id = l.id",
-    )
-    .bind(batch_id)
-    .bind(&leg_ids)
-    .execute(&mut *conn)
-    .await?;
-    for t in &mut posted {
-        t.batch_id = Some(batch_id);
     }
     Ok(BatchOutcome::Posted(batch, posted))
 }

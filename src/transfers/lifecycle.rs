@@ -25,6 +25,7 @@ use super::posting::{PostingFailure, TRANSIENT_RETRIES_MAX};
 use super::{Counted, KeyOutcome, Rejection, TransferAnswer, TransferError, Transfers, render};
 use crate::db::{self, Failure};
 use crate::idempotency::{Claim, Completing, Fingerprint, IdempotencyKey, StoredResponse, store};
+use crate::ledger::events::EventType;
 use crate::ledger::holds::{self, Hold, HoldOutcome, HoldRequest, HoldStatus, Resolution};
 use crate::ledger::reversals::{self, BatchOutcome, KeyUse, Leg, ReversalOutcome, ReversalRequest};
 use crate::ledger::{self, AmountMinor, Description, LedgerError};
@@ -117,6 +118,8 @@ struct Decided {
     hold_events: Vec<&'static str>,
     /// Transfers it posted, counted once committed.
     transfers_posted: usize,
+    /// The events it wrote, counted once committed.
+    events: Vec<(EventType, u64)>,
 }
 
 impl Decided {
@@ -127,6 +130,12 @@ impl Decided {
 
     fn posting(mut self, transfers: usize) -> Self {
         self.transfers_posted += transfers;
+        self
+    }
+
+    fn announcing(mut self, event: EventType, count: usize) -> Self {
+        self.events
+            .push((event, u64::try_from(count).unwrap_or(u64::MAX)));
         self
     }
 
@@ -144,6 +153,7 @@ impl Decided {
             transfer_id,
             hold_events: Vec::new(),
             transfers_posted: 0,
+            events: Vec::new(),
         }
     }
 
@@ -180,6 +190,7 @@ impl Decided {
             transfer_id: None,
             hold_events: Vec::new(),
             transfers_posted: 0,
+            events: Vec::new(),
         }
     }
 
@@ -205,6 +216,7 @@ impl Decided {
             transfer_id,
             hold_events: Vec::new(),
             transfers_posted: 0,
+            events: Vec::new(),
         }
     }
 }
@@ -721,6 +733,9 @@ impl Transfers {
         for _ in 0..decided.transfers_posted {
             telemetry::transfer_posted();
         }
+        for &(event, count) in &decided.events {
+            telemetry::events_written(event, count);
+        }
         Ok(decided)
     }
 }
@@ -774,6 +789,7 @@ async fn create_hold(
         HoldOutcome::Created(hold) => {
             Decided::answered(render::hold_created(&hold), *fingerprint, Some(hold.id))
                 .counting("created")
+                .announcing(EventType::HoldCreated, 1)
         }
         HoldOutcome::InsufficientFunds => {
             Decided::refused(Rejection::InsufficientFunds, *fingerprint, request_id)
@@ -820,7 +836,9 @@ async fn resolve_hold(
     }
     if hold.due {
         holds::resolve(&mut *conn, &hold, Resolution::Expire).await?;
-        return Ok(not_pending(fingerprint).counting("expired"));
+        return Ok(not_pending(fingerprint)
+            .counting("expired")
+            .announcing(EventType::HoldExpired, 1));
     }
     // A key that already made something else keeps that intent.
     if let Some(used) = used {
@@ -834,8 +852,8 @@ async fn resolve_hold(
     )
     .counting(resolved.status.as_str());
     Ok(match posted {
-        Some(_) => decided.posting(1),
-        None => decided,
+        Some(_) => decided.posting(1).announcing(EventType::HoldPosted, 1),
+        None => decided.announcing(EventType::HoldVoided, 1),
     })
 }
 
@@ -867,6 +885,7 @@ async fn reverse(
         ReversalOutcome::Posted(reversal) => {
             Decided::answered(render::created(&reversal), *fingerprint, Some(reversal.id))
                 .posting(1)
+                .announcing(EventType::TransferReversed, 1)
         }
         ReversalOutcome::ExceedsTransfer => {
             Decided::refused(Rejection::ReversalExceedsTransfer, *fingerprint, request_id)
@@ -906,6 +925,7 @@ async fn post_batch(
         BatchOutcome::Posted(batch, posted) => {
             Decided::answered(render::batch_created(&batch, &posted), *fingerprint, None)
                 .posting(posted.len())
+                .announcing(EventType::TransferPosted, posted.len())
         }
         BatchOutcome::InsufficientFunds { leg } => {
             // The one reason the batch was refused, naming its leg: stored
@@ -954,6 +974,7 @@ pub async fn expire_due_holds(pool: &PgPool, lock_timeout: Duration) -> Result<u
         tx.commit().await?;
         expired += batch;
         telemetry::hold_events("expired", batch);
+        telemetry::events_written(EventType::HoldExpired, batch);
         if batch < holds::EXPIRY_BATCH_MAX as u64 {
             return Ok(expired);
         }

@@ -46,8 +46,9 @@ use crate::config::PostingConfig;
 use crate::db::replication::Replication;
 use crate::db::{self, Failure, KeyPool};
 use crate::idempotency::{Claim, Completing, Fingerprint, StoredResponse, store};
+use crate::ledger::events::EventType;
 use crate::ledger::repo::{self, KeyLookup, Settled};
-use crate::ledger::{LedgerError, LockMode, PostingRequest};
+use crate::ledger::{LedgerError, LockMode, PostingKind, PostingRequest};
 use crate::telemetry;
 
 /// The most transfers one transaction posts. Bounds how long a batch holds
@@ -190,7 +191,7 @@ impl ClaimedTransfer {
             amount: self.intent.amount,
             currency: &self.intent.currency,
             description: self.intent.description.as_ref(),
-            transfer_id: None,
+            kind: PostingKind::Transfer,
         }
     }
 }
@@ -745,7 +746,10 @@ fn settle(transfer: &ClaimedTransfer, settled: Settled) -> Settlement {
 /// nothing.
 fn count(decision: Decision) {
     match decision {
-        Decision::Posted => telemetry::transfer_posted(),
+        Decision::Posted => {
+            telemetry::transfer_posted();
+            telemetry::events_written(EventType::TransferPosted, 1);
+        }
         Decision::InsufficientFunds => telemetry::transfer_rejected("insufficient-funds"),
         Decision::KeyUsedByOther => telemetry::transfer_rejected("idempotency-key-reused"),
         Decision::AlreadyPosted => {}

@@ -467,6 +467,18 @@ impl TestApp {
     }
 }
 
+/// The reconciliation's checks that found something, with their totals.
+pub fn failing_checks(
+    report: &nexo_transfers::reconcile::Report,
+) -> Vec<(nexo_transfers::reconcile::Check, u64)> {
+    report
+        .checks
+        .iter()
+        .filter(|c| !c.holds())
+        .map(|c| (c.check, c.discrepancies_total))
+        .collect()
+}
+
 /// A `DATABASE_URL` for the test's own database, for a child process (the
 /// real binary) to use: the server of `DATABASE_URL`, the pool's database.
 pub fn database_url_for(pool: &PgPool) -> String {

@@ -128,6 +128,8 @@ problem_types! {
     ReversalExceedsTransfer = "reversal-exceeds-transfer",
     /// 400: a bad query parameter on a listing.
     InvalidQuery = "invalid-query",
+    /// 400: `after` on `GET /events` is not a cursor the server handed out.
+    InvalidEventCursor = "invalid-event-cursor",
     /// 404: no such resource, or another principal's.
     NotFound = "not-found",
     /// 405: the path exists, the method does not.
