@@ -18,11 +18,14 @@ VALUES (:principal::uuid, 'pgb-' || :client_id || '-' || :k, 'POST', '/transfers
 ON CONFLICT (principal_id, idempotency_key) DO NOTHING
 RETURNING lock_token \gset
 -- Phase 2: lock both accounts in id order, write the transfer, move both
--- balances, write both entries, complete the key fenced by its token.
+-- balances and event sequences, write both entries and the transfer's
+-- event, complete the key fenced by its token.
 BEGIN;
 SELECT max(balance_minor) FILTER (WHERE id = 'acc_L' || :a) AS balance_a,
-       max(balance_minor) FILTER (WHERE id = 'acc_L' || :b) AS balance_b
-FROM (SELECT id, principal_id, currency, balance_minor, allow_negative FROM accounts
+       max(balance_minor) FILTER (WHERE id = 'acc_L' || :b) AS balance_b,
+       max(event_seq) FILTER (WHERE id = 'acc_L' || :a) + 1 AS seq_a,
+       max(event_seq) FILTER (WHERE id = 'acc_L' || :b) + 1 AS seq_b
+FROM (SELECT id, principal_id, currency, balance_minor, held_minor, allow_negative, event_seq FROM accounts
       WHERE id IN ('acc_L' || :a, 'acc_L' || :b) ORDER BY id FOR UPDATE) locked \gset
 INSERT INTO transfers (id, principal_id, idempotency_key, request_fingerprint, from_account,
                        to_account, currency, amount_minor, description, receipt_id)
@@ -31,13 +34,28 @@ VALUES (gen_random_uuid(), :principal::uuid, 'pgb-' || :client_id || '-' || :k,
         NULL, 'rcpt_' || md5(random()::text))
 RETURNING id AS transfer_id, created_at \gset
 UPDATE accounts
-SET balance_minor = balance_minor + CASE WHEN id = 'acc_L' || :a THEN -(:amount::bigint) ELSE :amount::bigint END
+SET balance_minor = balance_minor + CASE WHEN id = 'acc_L' || :a THEN -(:amount::bigint) ELSE :amount::bigint END,
+    event_seq = event_seq + 1
 WHERE id IN ('acc_L' || :a, 'acc_L' || :b);
 \set after_a :balance_a - :amount
 \set after_b :balance_b + :amount
-INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
-VALUES (:transfer_id::uuid, 'acc_L' || :a, 'USD', -(:amount::bigint), :after_a::bigint),
-       (:transfer_id::uuid, 'acc_L' || :b, 'USD', :amount, :after_b::bigint);
+WITH entries AS (
+    INSERT INTO ledger_entries (transfer_id, account_id, currency, amount_minor, balance_after_minor)
+    VALUES (:transfer_id::uuid, 'acc_L' || :a, 'USD', -(:amount::bigint), :after_a::bigint),
+           (:transfer_id::uuid, 'acc_L' || :b, 'USD', :amount, :after_b::bigint)
+    RETURNING id, amount_minor
+)
+INSERT INTO events (type, resource_id, resource, occurred_at, from_account, to_account,
+                    from_principal, to_principal, from_seq, to_seq)
+SELECT 'transfer.posted', t.id,
+       transfer_resource(t.id, t.status, t.from_account, t.to_account, t.amount_minor, t.currency,
+                         t.description, t.created_at,
+                         receipt_resource(t.receipt_id, (SELECT id FROM entries WHERE amount_minor < 0),
+                                          (SELECT id FROM entries WHERE amount_minor > 0), t.created_at),
+                         t.reverses, t.batch_id),
+       t.created_at, t.from_account, t.to_account, :principal::uuid, :principal::uuid,
+       :seq_a, :seq_b
+FROM transfers t WHERE t.id = :transfer_id::uuid;
 UPDATE idempotency_keys
 SET status = 'COMPLETED', response_status = 201,
     response_headers = '[["content-type","application/json"],["location","/transfers/x"]]',
