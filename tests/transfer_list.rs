@@ -198,3 +198,88 @@ async fn malformed_queries_are_refused_with_a_problem(pool: sqlx::PgPool) {
         .await
         .assert_problem(401, "unauthorized");
 }
+
+/// Holds are listed in every status beside the transfers, each exactly as
+/// `GET /transfers/{id}` shows it (a posted hold once, with its hold and
+/// receipt), in the same newest-first pages; the key filter finds a hold
+/// by the key that made it and by the one that posted it.
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn holds_in_every_status_are_listed_as_they_are_shown(pool: sqlx::PgPool) {
+    let app = TestApp::spawn(pool).await;
+    let make_hold = async |amount: i64| {
+        let key = new_key();
+        let mut body = transfer(A_USD, B_USD, amount, "USD");
+        body["mode"] = "pending".into();
+        let reply = app.post_transfer(TOKEN_A, &key, &body).await;
+        assert_eq!(reply.status, 201, "{:?}", reply.body);
+        (
+            key,
+            reply.json()["transfer_id"].as_str().unwrap().to_owned(),
+        )
+    };
+    let (_, before) = send(&app, TOKEN_A, A_USD, B_USD).await;
+    let (_, pending) = make_hold(100).await;
+    let (_, voided) = make_hold(200).await;
+    let (posted_key, posted) = make_hold(300).await;
+    let (_, after) = send(&app, TOKEN_A, A_USD, B_USD).await;
+    let void = app
+        .post_json(
+            TOKEN_A,
+            &new_key(),
+            &format!("/transfers/{voided}/void"),
+            &serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(void.status, 200, "{:?}", void.body);
+    let post_key = new_key();
+    let post = app
+        .post_json(
+            TOKEN_A,
+            &post_key,
+            &format!("/transfers/{posted}/post"),
+            &serde_json::json!({"amount_minor": 250}),
+        )
+        .await;
+    assert_eq!(post.status, 200, "{:?}", post.body);
+
+    let newest_first = [&after, &posted, &voided, &pending, &before];
+    for token in [TOKEN_A, TOKEN_B] {
+        let listed = all_pages(&app, token, "/transfers?limit=2").await;
+        let ours: Vec<&String> = listed
+            .iter()
+            .filter(|id| newest_first.contains(id))
+            .collect();
+        assert_eq!(ours, newest_first, "one page walk, each once, newest first");
+    }
+    let page = app.get(TOKEN_A, "/transfers?limit=200").await.json();
+    for id in newest_first {
+        let listed = page["transfers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["transfer_id"] == id.as_str())
+            .unwrap();
+        let shown = app.get(TOKEN_A, &format!("/transfers/{id}")).await.json();
+        assert_eq!(listed, &shown, "{id} is listed as it is shown");
+    }
+    let status = |id: &str| {
+        page["transfers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["transfer_id"] == id)
+            .map(|t| (t["status"].clone(), t["amount_minor"].clone()))
+            .unwrap()
+    };
+    assert_eq!(status(&pending), ("pending".into(), 100.into()));
+    assert_eq!(status(&voided), ("voided".into(), 200.into()));
+    assert_eq!(status(&posted), ("posted".into(), 250.into()));
+
+    for key in [&posted_key, &post_key] {
+        let found = app
+            .get(TOKEN_A, &format!("/transfers?idempotency_key={key}"))
+            .await
+            .json();
+        assert_eq!(ids(&found), [posted.clone()], "found by {key}");
+    }
+}

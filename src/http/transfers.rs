@@ -16,10 +16,11 @@ use super::extract::{PathParam, Principal, RequestIdHeader, StrictJson, StrictJs
 use super::{AppState, paging};
 use crate::idempotency::{IdempotencyKey, StoredResponse};
 use crate::ledger;
+use crate::ledger::holds::{Hold, HoldStatus};
 use crate::transfers::TransferAnswer;
 use crate::transfers::intent::TransferBody;
 use crate::transfers::lifecycle::{BatchBody, PostBody, ReverseBody, VoidBody};
-use crate::transfers::render::{self, TransferView};
+use crate::transfers::render::{self, HoldTransferView, TransferView};
 
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
@@ -204,14 +205,39 @@ pub struct TransfersQuery {
 
 #[derive(Serialize)]
 pub struct TransfersPage<'a> {
-    pub transfers: Vec<TransferView<'a>>,
+    pub transfers: Vec<ListedView<'a>>,
     /// Pass as `cursor` to get the next (older) page; null on the last page.
     pub next_cursor: Option<String>,
 }
 
+/// One item of `GET /transfers`, as `GET /transfers/{id}` shows it.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum ListedView<'a> {
+    Transfer(TransferView<'a>),
+    Hold(HoldTransferView<'a>),
+}
+
+/// What a page is merged from: a transfer, or a hold (in any status) with
+/// the transfer that posted it.
+enum Listed<'a> {
+    Transfer(&'a ledger::repo::Transfer),
+    Hold(&'a Hold, Option<&'a ledger::repo::Transfer>),
+}
+
+impl Listed<'_> {
+    fn id(&self) -> Uuid {
+        match self {
+            Self::Transfer(t) => t.id,
+            Self::Hold(h, _) => h.id,
+        }
+    }
+}
+
 /// `GET /transfers`: the transfers that debited or credited one of the
-/// caller's accounts (what `GET /transfers/{id}` shows it), newest first,
-/// a keyset page at a time, so pages stay stable while transfers are added.
+/// caller's accounts, holds in every status among them (each as
+/// `GET /transfers/{id}` shows it), newest first, a keyset page at a time,
+/// so pages stay stable while transfers are added.
 #[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
 pub async fn list(
     State(state): State<AppState>,
@@ -270,13 +296,40 @@ pub async fn list(
         key: key.as_ref().map(|k| (principal.id, k.as_str())),
         before_id,
     };
-    let mut rows = ledger::repo::list_transfers(pool, &filter, limit + 1).await?;
+    let transfers = ledger::repo::list_transfers(pool, &filter, limit + 1).await?;
+    let holds = ledger::holds::list(pool, &filter, limit + 1).await?;
+    let posted_ids: Vec<Uuid> = holds
+        .iter()
+        .filter(|h| h.status == HoldStatus::Posted)
+        .map(|h| h.id)
+        .collect();
+    let posted = if posted_ids.is_empty() {
+        Vec::new()
+    } else {
+        ledger::repo::get_transfers(pool, &posted_ids).await?
+    };
+    let mut rows: Vec<Listed<'_>> = transfers
+        .iter()
+        .map(Listed::Transfer)
+        .chain(holds.iter().map(|h| {
+            let transfer = posted.iter().find(|t| t.id == h.id);
+            Listed::Hold(h, transfer)
+        }))
+        .collect();
+    // Both halves are newest first by id; so is the page.
+    rows.sort_unstable_by_key(|row| std::cmp::Reverse(row.id()));
     let more = paging::has_more(&mut rows, limit);
     let next_cursor = more
-        .then(|| rows.last().map(|t| encode_cursor(t.id)))
+        .then(|| rows.last().map(|row| encode_cursor(row.id())))
         .flatten();
     let page = TransfersPage {
-        transfers: rows.iter().map(render::current_view).collect(),
+        transfers: rows
+            .iter()
+            .map(|row| match row {
+                Listed::Transfer(t) => ListedView::Transfer(render::current_view(t)),
+                Listed::Hold(h, t) => ListedView::Hold(render::hold_current_view(h, *t)),
+            })
+            .collect(),
         next_cursor,
     };
     Ok(Json(page).into_response())

@@ -210,6 +210,41 @@ pub async fn get<'e>(
         .await
 }
 
+/// A page of the holds on `filter`'s accounts (as source or destination),
+/// newest first, whatever their status: what `GET /transfers` lists beside
+/// the transfers. The key filter matches the key that made the hold and
+/// the one that posted or voided it.
+pub async fn list<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    filter: &repo::TransferFilter<'_>,
+    limit: i64,
+) -> Result<Vec<Hold>, sqlx::Error> {
+    let (key_principal, key) = match filter.key {
+        Some((principal, key)) => (Some(principal), Some(key)),
+        None => (None, None),
+    };
+    sqlx::query_as(concat!(
+        select_hold!(),
+        " WHERE (from_account = ANY($1) OR to_account = ANY($1))
+            AND ($2::timestamptz IS NULL OR created_at > $2)
+            AND ($3::timestamptz IS NULL OR created_at < $3)
+            AND ($5::text IS NULL
+                 OR (principal_id = $4 AND (idempotency_key = $5 OR resolved_key = $5)))
+            AND ($6::uuid IS NULL OR id < $6)
+          ORDER BY id DESC
+          LIMIT $7"
+    ))
+    .bind(&filter.accounts)
+    .bind(filter.created_after)
+    .bind(filter.created_before)
+    .bind(key_principal)
+    .bind(key)
+    .bind(filter.before_id)
+    .bind(limit)
+    .fetch_all(executor)
+    .await
+}
+
 /// The hold, locked for the rest of the caller's transaction: whatever the
 /// caller decides from its status stays true until it commits.
 pub async fn lock(conn: &mut PgConnection, id: Uuid) -> Result<Option<Hold>, sqlx::Error> {

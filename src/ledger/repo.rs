@@ -743,7 +743,8 @@ pub struct TransferFilter<'a> {
     pub before_id: Option<Uuid>,
 }
 
-/// A page of transfers, newest first.
+/// A page of transfers, newest first; holds in any status, posted or not,
+/// are listed by [`super::holds::list`].
 pub async fn list_transfers<'e>(
     executor: impl PgExecutor<'e>,
     filter: &TransferFilter<'_>,
@@ -760,6 +761,9 @@ pub async fn list_transfers<'e>(
             AND ($3::timestamptz IS NULL OR t.created_at < $3)
             AND ($5::text IS NULL OR (t.principal_id = $4 AND t.idempotency_key = $5))
             AND ($6::uuid IS NULL OR t.id < $6)
+            -- A posted hold is listed from its hold (holds::list), as
+            -- GET /transfers/{id} shows it.
+            AND NOT EXISTS (SELECT 1 FROM holds h WHERE h.id = t.id)
           ORDER BY t.id DESC
           LIMIT $7"
     ))
@@ -806,6 +810,17 @@ pub async fn get_transfer<'e>(
     sqlx::query_as(concat!(select_transfer!(), " WHERE t.id = $1"))
         .bind(id)
         .fetch_optional(executor)
+        .await
+}
+
+/// The transfers with these ids (those that exist), in no order.
+pub async fn get_transfers<'e>(
+    executor: impl PgExecutor<'e>,
+    ids: &[Uuid],
+) -> Result<Vec<Transfer>, sqlx::Error> {
+    sqlx::query_as(concat!(select_transfer!(), " WHERE t.id = ANY($1)"))
+        .bind(ids)
+        .fetch_all(executor)
         .await
 }
 

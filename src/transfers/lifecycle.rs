@@ -80,8 +80,9 @@ pub enum Operation {
     Batch(Vec<TransferIntent>),
 }
 
-/// Canonical forms of a post and a void: the hold, and the amount resolved
-/// (an absent amount is the whole hold, the same intent as spelling it out).
+/// Canonical forms of a post, a void and a reversal: the transfer, and the
+/// amount resolved (for a post, an absent amount is the whole hold, the same
+/// intent as spelling it out), and a reversal's description.
 #[derive(Serialize)]
 struct CanonicalResolution<'a> {
     transfer_id: Uuid,
@@ -91,16 +92,11 @@ struct CanonicalResolution<'a> {
     description: Option<&'a str>,
 }
 
-fn resolution_fingerprint(route: &str, hold: Uuid, amount: Option<i64>) -> Fingerprint {
-    let canonical = CanonicalResolution {
-        transfer_id: hold,
-        amount_minor: amount,
-        description: None,
-    };
+fn resolution_fingerprint(route: &str, canonical: &CanonicalResolution<'_>) -> Fingerprint {
     Fingerprint::compute(
         "POST",
         route,
-        &serde_json::to_vec(&canonical).unwrap_or_default(),
+        &serde_json::to_vec(canonical).unwrap_or_default(),
     )
 }
 
@@ -270,19 +266,26 @@ impl Transfers {
         body: &PostBody,
         request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
-        let counted = match self.post_target(principal, transfer_id, body).await {
-            Ok((hold, amount)) => {
-                let fingerprint = resolution_fingerprint(POST_ROUTE, hold.id, Some(amount.get()));
+        let checked = self
+            .post_target(principal, transfer_id, body)
+            .await
+            .map(|(hold, amount)| {
+                let fingerprint = resolution_fingerprint(
+                    POST_ROUTE,
+                    &CanonicalResolution {
+                        transfer_id: hold.id,
+                        amount_minor: Some(amount.get()),
+                        description: None,
+                    },
+                );
                 let op = Operation::Post {
                     hold: hold.id,
                     amount,
                 };
-                self.keyed(principal, key, POST_ROUTE, fingerprint, request_id, op)
-                    .await
-            }
-            Err(e) => (None, Err(e)),
-        };
-        super::record(counted)
+                (fingerprint, op)
+            });
+        self.run_checked(principal, key, POST_ROUTE, request_id, checked)
+            .await
     }
 
     /// `POST /transfers/{transfer_id}/void`: releases a pending transfer's
@@ -294,16 +297,19 @@ impl Transfers {
         transfer_id: &str,
         request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
-        let counted = match self.own_hold(principal, transfer_id).await {
-            Ok(hold) => {
-                let fingerprint = resolution_fingerprint(VOID_ROUTE, hold.id, None);
-                let op = Operation::Void { hold: hold.id };
-                self.keyed(principal, key, VOID_ROUTE, fingerprint, request_id, op)
-                    .await
-            }
-            Err(e) => (None, Err(e)),
-        };
-        super::record(counted)
+        let checked = self.own_hold(principal, transfer_id).await.map(|hold| {
+            let fingerprint = resolution_fingerprint(
+                VOID_ROUTE,
+                &CanonicalResolution {
+                    transfer_id: hold.id,
+                    amount_minor: None,
+                    description: None,
+                },
+            );
+            (fingerprint, Operation::Void { hold: hold.id })
+        });
+        self.run_checked(principal, key, VOID_ROUTE, request_id, checked)
+            .await
     }
 
     /// `POST /transfers/{transfer_id}/reverse`: gives (part of) a posted
@@ -317,25 +323,22 @@ impl Transfers {
         body: &ReverseBody,
         request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
-        let counted = match self.reversal_target(principal, transfer_id, body).await {
-            Ok(intent) => {
-                let canonical = CanonicalResolution {
-                    transfer_id: intent.original,
-                    amount_minor: intent.amount.map(AmountMinor::get),
-                    description: intent.description.as_ref().map(Description::as_str),
-                };
-                let fingerprint = Fingerprint::compute(
-                    "POST",
+        let checked = self
+            .reversal_target(principal, transfer_id, body)
+            .await
+            .map(|intent| {
+                let fingerprint = resolution_fingerprint(
                     REVERSE_ROUTE,
-                    &serde_json::to_vec(&canonical).unwrap_or_default(),
+                    &CanonicalResolution {
+                        transfer_id: intent.original,
+                        amount_minor: intent.amount.map(AmountMinor::get),
+                        description: intent.description.as_ref().map(Description::as_str),
+                    },
                 );
-                let op = Operation::Reverse(intent);
-                self.keyed(principal, key, REVERSE_ROUTE, fingerprint, request_id, op)
-                    .await
-            }
-            Err(e) => (None, Err(e)),
-        };
-        super::record(counted)
+                (fingerprint, Operation::Reverse(intent))
+            });
+        self.run_checked(principal, key, REVERSE_ROUTE, request_id, checked)
+            .await
     }
 
     /// `POST /transfer-batches`: every transfer posts, or none does.
@@ -346,19 +349,36 @@ impl Transfers {
         body: &BatchBody,
         request_id: Option<String>,
     ) -> Result<TransferAnswer, TransferError> {
-        let counted = match self.batch_legs(principal, body).await {
-            Ok(legs) => {
-                let mut canonical = b"[".to_vec();
-                for (n, leg) in legs.iter().enumerate() {
-                    if n > 0 {
-                        canonical.push(b',');
-                    }
-                    canonical.extend(leg.canonical_bytes());
+        let checked = self.batch_legs(principal, body).await.map(|legs| {
+            let mut canonical = b"[".to_vec();
+            for (n, leg) in legs.iter().enumerate() {
+                if n > 0 {
+                    canonical.push(b',');
                 }
-                canonical.push(b']');
-                let fingerprint = Fingerprint::compute("POST", BATCH_ROUTE, &canonical);
-                let op = Operation::Batch(legs);
-                self.keyed(principal, key, BATCH_ROUTE, fingerprint, request_id, op)
+                canonical.extend(leg.canonical_bytes());
+            }
+            canonical.push(b']');
+            let fingerprint = Fingerprint::compute("POST", BATCH_ROUTE, &canonical);
+            (fingerprint, Operation::Batch(legs))
+        });
+        self.run_checked(principal, key, BATCH_ROUTE, request_id, checked)
+            .await
+    }
+
+    /// Runs an operation whose request was checked under its key, or
+    /// answers why it was not (nothing claimed); either way the outcome is
+    /// counted.
+    async fn run_checked(
+        self: &Arc<Self>,
+        principal: PrincipalId,
+        key: IdempotencyKey,
+        route: &'static str,
+        request_id: Option<String>,
+        checked: Result<(Fingerprint, Operation), TransferError>,
+    ) -> Result<TransferAnswer, TransferError> {
+        let counted = match checked {
+            Ok((fingerprint, op)) => {
+                self.keyed(principal, key, route, fingerprint, request_id, op)
                     .await
             }
             Err(e) => (None, Err(e)),

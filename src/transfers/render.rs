@@ -96,13 +96,13 @@ pub fn render_current(transfer: &Transfer) -> Bytes {
 
 /// The 201 a posted transfer is answered with, and stored under its key.
 pub fn created(transfer: &Transfer) -> StoredResponse {
-    created_at_location(transfer.id, render_transfer(transfer))
+    created_under(ROUTE, transfer.id, render_transfer(transfer))
 }
 
-/// A 201 with the transfer's `Location`.
-fn created_at_location(id: Uuid, body: Bytes) -> StoredResponse {
-    let location = HeaderValue::from_str(&format!("{ROUTE}/{id}"))
-        .unwrap_or_else(|_| HeaderValue::from_static(ROUTE));
+/// A 201 whose `Location` is `{collection}/{id}`.
+fn created_under(collection: &'static str, id: Uuid, body: Bytes) -> StoredResponse {
+    let location = HeaderValue::from_str(&format!("{collection}/{id}"))
+        .unwrap_or_else(|_| HeaderValue::from_static(collection));
     StoredResponse {
         status: StatusCode::CREATED,
         headers: vec![
@@ -175,14 +175,17 @@ pub fn hold_view<'a>(hold: &'a Hold, posted: Option<&'a Transfer>) -> HoldTransf
 }
 
 /// A hold-based transfer as it stands now, for a read.
-pub fn render_hold_current(hold: &Hold, posted: Option<&Transfer>) -> Bytes {
-    let view = HoldTransferView {
+pub fn hold_current_view<'a>(hold: &'a Hold, posted: Option<&'a Transfer>) -> HoldTransferView<'a> {
+    HoldTransferView {
         reversed_minor: posted
             .map(|t| t.reversed_minor)
             .filter(|reversed| *reversed > 0),
         ..hold_view(hold, posted)
-    };
-    Bytes::from(serde_json::to_vec(&view).unwrap_or_default())
+    }
+}
+
+pub fn render_hold_current(hold: &Hold, posted: Option<&Transfer>) -> Bytes {
+    Bytes::from(serde_json::to_vec(&hold_current_view(hold, posted)).unwrap_or_default())
 }
 
 /// The route of atomic batches, for their `Location`.
@@ -208,26 +211,13 @@ pub fn render_batch(batch: &Batch, legs: &[Transfer]) -> Bytes {
 /// The 201 a batch is answered with; its legs never change, so the same
 /// bytes on every retry.
 pub fn batch_created(batch: &Batch, legs: &[Transfer]) -> StoredResponse {
-    let location = HeaderValue::from_str(&format!("{BATCH_ROUTE}/{}", batch.id))
-        .unwrap_or_else(|_| HeaderValue::from_static(BATCH_ROUTE));
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            ),
-            (header::LOCATION, location),
-        ],
-        body: render_batch(batch, legs),
-    }
+    created_under(BATCH_ROUTE, batch.id, render_batch(batch, legs))
 }
 
 pub fn render_hold(hold: &Hold, posted: Option<&Transfer>) -> Bytes {
     Bytes::from(serde_json::to_vec(&hold_view(hold, posted)).unwrap_or_default())
 }
 
-/// The 201 a hold is created with.
 /// The 201 a hold is created with: as it was created (pending), whatever
 /// became of it since, so a late retry gets the same bytes.
 pub fn hold_created(hold: &Hold) -> StoredResponse {
@@ -237,7 +227,7 @@ pub fn hold_created(hold: &Hold) -> StoredResponse {
         posted_amount_minor: None,
         ..hold.clone()
     };
-    created_at_location(hold.id, render_hold(&as_created, None))
+    created_under(ROUTE, hold.id, render_hold(&as_created, None))
 }
 
 /// The 200 a hold's post or void is answered with: the transfer as it
