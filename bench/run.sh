@@ -4,7 +4,7 @@
 # driven by the load generator for each scenario and concurrency, then
 # docs/benchmarks.md and docs/benchmarks.png from the results.
 #
-#   bench/run.sh           full run (about 17 minutes)
+#   bench/run.sh           full run (about 20 minutes)
 #   bench/run.sh --quick   short durations and fewer accounts: a smoke check
 #
 # Needs PostgreSQL (DATABASE_URL names any database on the server; a fresh
@@ -36,11 +36,12 @@ ADMIN_URL="${BASE_URL%/*}/postgres"
 PORT="${BENCH_PORT:-18181}"
 CONCURRENCIES="${BENCH_CONCURRENCIES:-1 8 32 64}"
 SCENARIOS="${BENCH_SCENARIOS:-new replay storm hot hold mixed}"
+BATCHED_K="${BENCH_BATCHED_K:-16 32}"
 if [ "$QUICK" = 1 ]; then
   ACCOUNTS=1000; SECONDS_PER_RUN=2; WARMUP=0.5s; READ_KEYS=1000
 else
   # 10,000 accounts as in the ceiling; 10 s per point keeps a full
-  # run (3 pgbench variants and 6 scenarios at 4 concurrencies) near 17 min.
+  # run (7 pgbench variants and 6 scenarios at 4 concurrencies) near 20 min.
   ACCOUNTS=10000; SECONDS_PER_RUN=10; WARMUP=2s; READ_KEYS=10000
 fi
 OUT="target/bench/$(date -u +%Y%m%dT%H%M%SZ)"
@@ -79,6 +80,7 @@ echo "== machine"
   echo "quick=${QUICK}"
   echo "accounts=${ACCOUNTS}"
   echo "seconds_per_run=${SECONDS_PER_RUN}"
+  echo "batched_k=${BATCHED_K}"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
@@ -105,6 +107,14 @@ for c in $CONCURRENCIES; do pgbench_run new "$c" transfer.sql -D hot=0; done
 for c in $CONCURRENCIES; do pgbench_run hot "$c" transfer.sql -D hot=1; done
 psql "$BENCH_URL" -qAt -v principal="$PRINCIPAL" -v read_keys="$READ_KEYS" -f bench/pgbench/read_keys.sql >/dev/null
 for c in $CONCURRENCIES; do pgbench_run read "$c" read.sql -D read_keys="$READ_KEYS"; done
+# The batched ceiling: the same SQL for k transfers per transaction and
+# their k claims in one statement, as the server's posting batches write
+# them (k = 16, and 32: BATCH_TRANSFERS_MAX, the most a server batch holds).
+psql "$BENCH_URL" -qAt -f bench/pgbench/pairs.sql >/dev/null
+for k in $BATCHED_K; do
+  for c in $CONCURRENCIES; do pgbench_run "newb${k}" "$c" transfer_batch.sql -D hot=0 -D k="$k"; done
+  for c in $CONCURRENCIES; do pgbench_run "hotb${k}" "$c" transfer_batch.sql -D hot=1 -D k="$k"; done
+done
 
 start_server() {
   DATABASE_URL="$BENCH_URL" NEXO_BIND="127.0.0.1:${PORT}" NEXO_PURGE_INTERVAL=0s \
