@@ -280,6 +280,6 @@ async fn holds_in_every_status_are_listed_as_they_are_shown(pool: sqlx::PgPool) 
             .get(TOKEN_A, &format!("/transfers?idempotency_key={key}"))
             .await
             .json();
-        assert_eq!(ids(&found), [posted.clone()], "found by {key}");
+        assert_eq!(ids(&found), [posted.as_str()], "found by {key}");
     }
 }
