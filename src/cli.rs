@@ -35,7 +35,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create the database if needed, migrate, and serve the HTTP API.
-    Serve(ServeConfig),
+    Serve(Box<ServeConfig>),
     /// Apply pending migrations and exit.
     Migrate,
     /// Compact idempotency records past their TTL (their outcome stays),
@@ -225,7 +225,7 @@ fn print_out(text: &str) {
 
 async fn execute(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Serve(config) => serve(&cli.db, config).await,
+        Command::Serve(config) => serve(&cli.db, *config).await,
         // `run` answers it: it has exit statuses of its own.
         Command::Reconcile(ref args) => match reconcile_command(&cli.db, args).await {
             code if code == ExitCode::SUCCESS => Ok(()),
@@ -337,6 +337,7 @@ async fn execute(cli: Cli) -> Result<(), String> {
 async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let policy = config.idempotency.policy()?;
     let posting = config.posting.validated()?;
+    let webhook_settings = config.webhooks.settings()?;
     // The port first: when it is taken, nothing else (creating the
     // database, migrating, loading the demo) should have happened.
     let listener = tokio::net::TcpListener::bind(&config.bind)
@@ -401,6 +402,17 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
         }
         None => None,
     };
+    let webhooks = webhook_settings.map(|settings| {
+        let mut closing = state.closing.subscribe();
+        tokio::spawn(crate::webhooks::worker::run(
+            pool.clone(),
+            settings,
+            async move {
+                // A dropped sender is a server that is gone: stop as well.
+                let _ = closing.wait_for(|closing| *closing).await;
+            },
+        ))
+    });
     // The bound address, not the configured one: with port 0 the kernel
     // picks the port, and whoever started the process reads it here.
     match listener.local_addr() {
@@ -412,6 +424,16 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
         .map_err(|e| format!("server error: {e}"));
     for task in [purge, expiry, reconciliation].into_iter().flatten() {
         task.abort();
+    }
+    // Deliveries in flight at the signal finish (each within
+    // NEXO_WEBHOOK_TIMEOUT); one still running past that is retried by the
+    // next worker once its lease runs out.
+    if let Some(worker) = webhooks {
+        let bound = config.webhooks.webhook_timeout + crate::webhooks::worker::LEASE_MARGIN;
+        let abort = worker.abort_handle();
+        if tokio::time::timeout(bound, worker).await.is_err() {
+            abort.abort();
+        }
     }
     // Every claim has ended by now; a connection stuck in the database must
     // not hold the exit.
@@ -495,13 +517,23 @@ async fn purge_periodically(
     }
 }
 
-/// Deletes events past `retention` and meters what it did.
+/// Deletes events past `retention`, except those an enabled webhook
+/// endpoint has not passed yet, and meters what it did; then the webhook
+/// attempts as old.
 pub async fn purge_events(
     pool: &PgPool,
     retention: Duration,
     batch_rows: i64,
 ) -> Result<events::EventsPurged, sqlx::Error> {
-    let result = events::purge(pool, retention, batch_rows).await;
+    let result = match crate::webhooks::store::oldest_pending_txid(pool).await {
+        Ok(keep_from_txid) => events::purge(pool, retention, batch_rows, keep_from_txid).await,
+        Err(e) => Err(e),
+    };
+    match crate::webhooks::store::purge_attempts(pool, retention, batch_rows).await {
+        Ok(0) => {}
+        Ok(deleted) => tracing::info!(deleted, "purged webhook attempts"),
+        Err(e) => tracing::warn!(error = %e, "purge of webhook attempts failed"),
+    }
     crate::telemetry::events_purge(&result, chrono::Utc::now());
     result
 }

@@ -285,6 +285,67 @@ impl OperationsConfig {
     }
 }
 
+/// The webhook delivery worker (docs/events.md, ADR-012).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct WebhookConfig {
+    /// How often the worker looks for endpoints with something to deliver;
+    /// `0s` turns delivery off on this instance (another instance's worker
+    /// delivers). An event reaches an idle endpoint within about this.
+    #[arg(long, env = "NEXO_WEBHOOK_INTERVAL", default_value = "200ms", value_parser = parse_duration)]
+    pub webhook_interval: Duration,
+    /// Longest one delivery attempt may take, connecting included; past it
+    /// the attempt counts as a timeout and is retried.
+    #[arg(long, env = "NEXO_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub webhook_timeout: Duration,
+    /// The longest wait between two attempts of a failing endpoint (the
+    /// waits double from 1 s up to this, each drawn at random below its
+    /// ceiling).
+    #[arg(long, env = "NEXO_WEBHOOK_BACKOFF_MAX", default_value = "5m", value_parser = parse_duration)]
+    pub webhook_backoff_max: Duration,
+    /// How long one event is retried before its endpoint is disabled (its
+    /// owner enables it again, and delivery resumes where it stopped).
+    /// Three days outlast a receiver broken over a weekend.
+    #[arg(long, env = "NEXO_WEBHOOK_RETRY_WINDOW", default_value = "3days", value_parser = parse_duration)]
+    pub webhook_retry_window: Duration,
+    /// Endpoints this instance delivers to at once (one request in flight
+    /// each): a slow or hanging receiver holds one slot for at most
+    /// NEXO_WEBHOOK_TIMEOUT, never the others.
+    #[arg(long, env = "NEXO_WEBHOOK_CONCURRENCY", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub webhook_concurrency: u32,
+}
+
+impl WebhookConfig {
+    /// The worker's settings, or `None` when delivery is off here.
+    pub fn settings(&self) -> Result<Option<crate::webhooks::worker::Settings>, String> {
+        if self.webhook_timeout < WEBHOOK_TIMEOUT_MIN {
+            return Err(format!(
+                "NEXO_WEBHOOK_TIMEOUT must be at least {}ms",
+                WEBHOOK_TIMEOUT_MIN.as_millis()
+            ));
+        }
+        if self.webhook_backoff_max.is_zero() || self.webhook_retry_window.is_zero() {
+            return Err(
+                "NEXO_WEBHOOK_BACKOFF_MAX and NEXO_WEBHOOK_RETRY_WINDOW must be longer than 0s"
+                    .to_owned(),
+            );
+        }
+        Ok(
+            (!self.webhook_interval.is_zero()).then(|| crate::webhooks::worker::Settings {
+                interval: self.webhook_interval,
+                timeout: self.webhook_timeout,
+                backoff_max: self.webhook_backoff_max,
+                retry_window: self.webhook_retry_window,
+                concurrency: usize::try_from(self.webhook_concurrency).unwrap_or(1),
+            }),
+        )
+    }
+}
+
+/// A shorter attempt timeout would fail healthy receivers across a slow
+/// network.
+pub const WEBHOOK_TIMEOUT_MIN: Duration = Duration::from_millis(100);
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeConfig {
     /// Address to listen on: host:port, the host a name (localhost) or an
@@ -308,6 +369,8 @@ pub struct ServeConfig {
     pub rate_limit: RateLimitConfig,
     #[command(flatten)]
     pub posting: PostingConfig,
+    #[command(flatten)]
+    pub webhooks: WebhookConfig,
 }
 
 /// Durations in humantime form: `30s`, `5m`, `24h`, `1h 30m`.
@@ -343,6 +406,20 @@ mod tests {
             every(Duration::from_secs(300)),
             Ok(Some(Duration::from_secs(300)))
         );
+    }
+
+    #[test]
+    fn webhook_delivery_is_off_at_a_zero_interval_and_refuses_tiny_timeouts() {
+        let config = |interval, timeout| WebhookConfig {
+            webhook_interval: Duration::from_millis(interval),
+            webhook_timeout: Duration::from_millis(timeout),
+            webhook_backoff_max: Duration::from_secs(300),
+            webhook_retry_window: Duration::from_secs(3 * 86_400),
+            webhook_concurrency: 16,
+        };
+        assert!(matches!(config(0, 10_000).settings(), Ok(None)));
+        assert!(matches!(config(200, 10_000).settings(), Ok(Some(_))));
+        assert!(config(200, 50).settings().is_err());
     }
 
     #[test]

@@ -8,12 +8,14 @@
 //! [`POLL_INTERVAL`], each time taking a pooled connection for one indexed
 //! query. Why polling and not LISTEN/NOTIFY: ADR-011.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
+use uuid::Uuid;
 
 use crate::ledger::events::{self, Cursor, Event};
 use crate::principal::PrincipalId;
@@ -139,5 +141,36 @@ impl Waiting {
 impl Drop for Waiting {
     fn drop(&mut self) {
         telemetry::event_feed_waiters(-1.0);
+    }
+}
+
+/// An event as a principal sees it: in a page of `GET /events`, and as the
+/// body of a webhook delivery (the same renderer, so both say the same).
+#[derive(Debug, serde::Serialize)]
+pub struct EventView<'a> {
+    /// Stable: the same event always has this id. Deduplicate by it.
+    pub id: Uuid,
+    #[serde(rename = "type")]
+    pub event_type: &'a str,
+    pub occurred_at: String,
+    /// Resume after this event (what `next_after` is for the last one).
+    pub cursor: String,
+    /// For each of the caller's accounts the event moved: its number in
+    /// that account's gap-free sequence of events.
+    pub sequences: BTreeMap<&'a str, i64>,
+    /// The transfer as `GET /transfers/{id}` showed it right after the
+    /// change.
+    pub resource: &'a serde_json::Value,
+}
+
+/// `event` as `principal` sees it.
+pub fn view(event: &Event, principal: PrincipalId) -> EventView<'_> {
+    EventView {
+        id: event.id,
+        event_type: &event.event_type,
+        occurred_at: crate::transfers::render::timestamp(event.occurred_at),
+        cursor: event.cursor().encode(),
+        sequences: event.sequences_of(principal).into_iter().collect(),
+        resource: &event.resource,
     }
 }

@@ -29,6 +29,8 @@
 //! - [`reconcile`]: whole-ledger checks that money and idempotency records
 //!   agree, for `nexo-transfers reconcile` and the server's schedule.
 //! - [`telemetry`]: the Prometheus metrics catalogue and recorder.
+//! - [`webhooks`]: registered endpoints and the worker that delivers the
+//!   events to them, signed, at least once, in the feed's order.
 
 pub mod admin;
 pub mod auth;
@@ -45,3 +47,4 @@ pub mod problem;
 pub mod reconcile;
 pub mod telemetry;
 pub mod transfers;
+pub mod webhooks;

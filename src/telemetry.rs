@@ -39,9 +39,12 @@ pub const EVENTS_WRITTEN_TOTAL: &str = "nexo_events_written_total";
 pub const EVENTS_PURGED_TOTAL: &str = "nexo_events_purged_total";
 pub const EVENTS_OLDEST_TIMESTAMP_SECONDS: &str = "nexo_events_oldest_timestamp_seconds";
 pub const EVENT_FEED_WAITERS: &str = "nexo_event_feed_waiters";
+pub const WEBHOOK_ATTEMPTS_TOTAL: &str = "nexo_webhook_attempts_total";
+pub const WEBHOOK_ENDPOINTS_DISABLED_TOTAL: &str = "nexo_webhook_endpoints_disabled_total";
+pub const WEBHOOK_OLDEST_UNDELIVERED_SECONDS: &str = "nexo_webhook_oldest_undelivered_seconds";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 19] = [
+pub const METRICS: [&str; 22] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
@@ -61,7 +64,13 @@ pub const METRICS: [&str; 19] = [
     EVENTS_PURGED_TOTAL,
     EVENTS_OLDEST_TIMESTAMP_SECONDS,
     EVENT_FEED_WAITERS,
+    WEBHOOK_ATTEMPTS_TOTAL,
+    WEBHOOK_ENDPOINTS_DISABLED_TOTAL,
+    WEBHOOK_OLDEST_UNDELIVERED_SECONDS,
 ];
+
+/// How a webhook attempt ended.
+pub const WEBHOOK_OUTCOMES: [&str; 4] = ["delivered", "http_error", "timeout", "connect_error"];
 
 /// Every idempotency outcome the transfer handler records: the result of
 /// the claim (`claimed`, `taken_over`, `replayed`, `mismatch`, `in_flight`,
@@ -227,6 +236,21 @@ fn describe() {
         Unit::Count,
         "GET /events requests waiting for events (long polls) on this instance"
     );
+    describe_counter!(
+        WEBHOOK_ATTEMPTS_TOTAL,
+        Unit::Count,
+        "Webhook delivery attempts this instance made, by outcome"
+    );
+    describe_counter!(
+        WEBHOOK_ENDPOINTS_DISABLED_TOTAL,
+        Unit::Count,
+        "Webhook endpoints this instance disabled after the retry window"
+    );
+    describe_gauge!(
+        WEBHOOK_OLDEST_UNDELIVERED_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest event an enabled webhook endpoint has not had yet"
+    );
 
     for outcome in IDEMPOTENCY_OUTCOMES {
         counter!(IDEMPOTENCY_OUTCOMES_TOTAL, "outcome" => outcome).absolute(0);
@@ -250,6 +274,11 @@ fn describe() {
     }
     counter!(EVENTS_PURGED_TOTAL).absolute(0);
     gauge!(EVENT_FEED_WAITERS).set(0.0);
+    for outcome in WEBHOOK_OUTCOMES {
+        counter!(WEBHOOK_ATTEMPTS_TOTAL, "outcome" => outcome).absolute(0);
+    }
+    counter!(WEBHOOK_ENDPOINTS_DISABLED_TOTAL).absolute(0);
+    gauge!(WEBHOOK_OLDEST_UNDELIVERED_SECONDS).set(0.0);
 }
 
 /// Methods outside the standard set become `other`: a client may send any
@@ -317,6 +346,22 @@ pub fn events_purge(result: &Result<EventsPurged, sqlx::Error>, at: chrono::Date
         let oldest = purged.oldest.unwrap_or(at);
         gauge!(EVENTS_OLDEST_TIMESTAMP_SECONDS).set(oldest.timestamp_micros() as f64 / 1e6);
     }
+}
+
+/// One webhook attempt ended; `outcome` is one of [`WEBHOOK_OUTCOMES`].
+pub fn webhook_attempt(outcome: &'static str) {
+    counter!(WEBHOOK_ATTEMPTS_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// The worker disabled an endpoint whose head event failed past the retry
+/// window.
+pub fn webhook_endpoint_disabled() {
+    counter!(WEBHOOK_ENDPOINTS_DISABLED_TOTAL).increment(1);
+}
+
+/// The age of the oldest event an enabled endpoint has not had yet.
+pub fn webhook_oldest_undelivered(seconds: f64) {
+    gauge!(WEBHOOK_OLDEST_UNDELIVERED_SECONDS).set(seconds);
 }
 
 /// `reason` is a problem type slug: a closed set.

@@ -342,6 +342,17 @@ fn every_api_error() -> Vec<ApiError> {
         },
         ApiError::invalid_query("limit", "x"),
         ApiError::InvalidEventCursor,
+        ApiError::InvalidWebhookEndpoint {
+            param: "url",
+            detail: "x".to_owned(),
+        },
+        ApiError::TooManyWebhookEndpoints,
+        ApiError::WebhookEndpointExists {
+            existing: uuid::Uuid::nil(),
+        },
+        ApiError::InvalidRedelivery {
+            detail: "x".to_owned(),
+        },
         ApiError::NotFound,
         ApiError::MethodNotAllowed,
         ApiError::IdempotencyKeyReused,
@@ -371,6 +382,10 @@ fn every_api_error() -> Vec<ApiError> {
             | ApiError::Validation { .. }
             | ApiError::InvalidQuery { .. }
             | ApiError::InvalidEventCursor
+            | ApiError::InvalidWebhookEndpoint { .. }
+            | ApiError::TooManyWebhookEndpoints
+            | ApiError::WebhookEndpointExists { .. }
+            | ApiError::InvalidRedelivery { .. }
             | ApiError::NotFound
             | ApiError::MethodNotAllowed
             | ApiError::IdempotencyKeyReused

@@ -17,6 +17,7 @@ const BELOW_HTTP: &[&str] = &[
     "auth.rs",
     "reconcile.rs",
     "telemetry.rs",
+    "webhooks",
 ];
 
 fn rust_files(path: &Path, found: &mut Vec<std::path::PathBuf>) {

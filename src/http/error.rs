@@ -51,6 +51,19 @@ pub enum ApiError {
         "after must be a next_after, or an event's cursor, from an earlier answer of GET /events"
     )]
     InvalidEventCursor,
+    /// A webhook endpoint's `url` or `event_types` is not acceptable.
+    #[error("{detail}")]
+    InvalidWebhookEndpoint { param: &'static str, detail: String },
+    #[error(
+        "a principal may register at most {} webhook endpoints",
+        crate::webhooks::ENDPOINTS_MAX
+    )]
+    TooManyWebhookEndpoints,
+    /// The caller already registered this URL: the existing endpoint.
+    #[error("this URL is already registered as webhook endpoint {existing}")]
+    WebhookEndpointExists { existing: uuid::Uuid },
+    #[error("{detail}")]
+    InvalidRedelivery { detail: String },
     #[error("not found")]
     NotFound,
     #[error("method not allowed")]
@@ -105,6 +118,8 @@ impl ApiError {
             Self::Validation { param, .. } => Some(Cow::Borrowed(param)),
             Self::InvalidQuery { param, .. } => param.map(Cow::Borrowed),
             Self::InvalidEventCursor => Some(Cow::Borrowed("after")),
+            Self::InvalidWebhookEndpoint { param, .. } => Some(Cow::Borrowed(param)),
+            Self::WebhookEndpointExists { .. } => Some(Cow::Borrowed("url")),
             Self::MalformedRequest { param, .. } => param.clone().map(Cow::Owned),
             Self::IdempotencyKey(_) | Self::IdempotencyKeyReused => {
                 Some(Cow::Borrowed("Idempotency-Key"))
@@ -126,9 +141,13 @@ impl ApiError {
             | Self::InvalidEventCursor => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Validation { .. } | Self::IdempotencyKeyReused | Self::InsufficientFunds => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            Self::Validation { .. }
+            | Self::IdempotencyKeyReused
+            | Self::InsufficientFunds
+            | Self::InvalidWebhookEndpoint { .. }
+            | Self::TooManyWebhookEndpoints
+            | Self::InvalidRedelivery { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::WebhookEndpointExists { .. } => StatusCode::CONFLICT,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestInFlight { .. }
@@ -153,6 +172,10 @@ impl ApiError {
             Self::Validation { kind, .. } => kind.slug(),
             Self::InvalidQuery { .. } => "invalid-query",
             Self::InvalidEventCursor => "invalid-event-cursor",
+            Self::InvalidWebhookEndpoint { .. } => "invalid-webhook-endpoint",
+            Self::TooManyWebhookEndpoints => "too-many-webhook-endpoints",
+            Self::WebhookEndpointExists { .. } => "webhook-endpoint-exists",
+            Self::InvalidRedelivery { .. } => "invalid-redelivery",
             Self::NotFound => "not-found",
             Self::MethodNotAllowed => "method-not-allowed",
             Self::IdempotencyKeyReused => "idempotency-key-reused",
@@ -178,6 +201,10 @@ impl ApiError {
             Self::Validation { kind, .. } => kind.title(),
             Self::InvalidQuery { .. } => "Invalid query parameter",
             Self::InvalidEventCursor => "Invalid event cursor",
+            Self::InvalidWebhookEndpoint { .. } => "Invalid webhook endpoint",
+            Self::TooManyWebhookEndpoints => "Too many webhook endpoints",
+            Self::WebhookEndpointExists { .. } => "Webhook endpoint already registered",
+            Self::InvalidRedelivery { .. } => "Invalid redelivery",
             Self::NotFound => "Not found",
             Self::MethodNotAllowed => "Method not allowed",
             Self::IdempotencyKeyReused => "Idempotency key reused",
@@ -213,6 +240,9 @@ impl ApiError {
             ),
             Self::IntentCompleted { transfer_id: None } => {
                 format!("{self}; its stored answer stands")
+            }
+            Self::WebhookEndpointExists { existing } => {
+                format!("{self}: /webhook-endpoints/{existing}")
             }
             Self::IdempotencyKeyReused => Rejection::KeyReused.problem().detail,
             Self::InsufficientFunds => Rejection::InsufficientFunds.problem().detail,

@@ -2,7 +2,6 @@
 //! first, with a long poll (`wait`). Guarantees and cursor semantics:
 //! docs/events.md.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
@@ -10,14 +9,12 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
 
 use super::AppState;
 use super::error::ApiError;
 use super::extract::Principal;
-use crate::feed::{self, FeedError};
-use crate::ledger::events::{Cursor, Event};
-use crate::principal::PrincipalId;
+use crate::feed::{self, EventView, FeedError};
+use crate::ledger::events::Cursor;
 
 /// The route, which the request timeout stretches by the longest wait.
 pub const ROUTE: &str = "/events";
@@ -31,39 +28,11 @@ pub struct EventsQuery {
 }
 
 #[derive(Serialize)]
-pub struct EventView<'a> {
-    /// Stable: the same event always has this id. Deduplicate by it.
-    pub id: Uuid,
-    #[serde(rename = "type")]
-    pub event_type: &'a str,
-    pub occurred_at: String,
-    /// Resume after this event (what `next_after` is for the last one).
-    pub cursor: String,
-    /// For each of the caller's accounts the event moved: its number in
-    /// that account's gap-free sequence of events.
-    pub sequences: BTreeMap<&'a str, i64>,
-    /// The transfer as `GET /transfers/{id}` showed it right after the
-    /// change.
-    pub resource: &'a serde_json::Value,
-}
-
-#[derive(Serialize)]
 pub struct EventsPage<'a> {
     pub events: Vec<EventView<'a>>,
     /// Send as `after` to get what follows; the `after` that was sent when
     /// nothing new was found.
     pub next_after: String,
-}
-
-fn view(event: &Event, principal: PrincipalId) -> EventView<'_> {
-    EventView {
-        id: event.id,
-        event_type: &event.event_type,
-        occurred_at: super::timestamp(event.occurred_at),
-        cursor: event.cursor().encode(),
-        sequences: event.sequences_of(principal).into_iter().collect(),
-        resource: &event.resource,
-    }
 }
 
 #[tracing::instrument(skip_all, fields(principal_id = %principal.id))]
@@ -99,7 +68,11 @@ pub async fn list(
             FeedError::Database(e) => ApiError::from(e),
         })?;
     let body = EventsPage {
-        events: page.events.iter().map(|e| view(e, principal.id)).collect(),
+        events: page
+            .events
+            .iter()
+            .map(|e| feed::view(e, principal.id))
+            .collect(),
         next_after: page.next_after.encode(),
     };
     // Serialized here, while the page's rows are borrowed.

@@ -12,6 +12,7 @@ pub mod paging;
 pub mod problems;
 pub mod rate_limit;
 pub mod transfers;
+pub mod webhooks;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -129,6 +130,30 @@ pub fn app(state: AppState) -> Router {
         .route("/accounts/{account_id}", get(accounts::get))
         .route("/accounts/{account_id}/entries", get(accounts::entries))
         .route("/events", get(events::list))
+        .route(
+            "/webhook-endpoints",
+            post(webhooks::create).get(webhooks::list),
+        )
+        .route(
+            "/webhook-endpoints/{endpoint_id}",
+            get(webhooks::get).delete(webhooks::delete),
+        )
+        .route(
+            "/webhook-endpoints/{endpoint_id}/rotate-secret",
+            post(webhooks::rotate_secret),
+        )
+        .route(
+            "/webhook-endpoints/{endpoint_id}/enable",
+            post(webhooks::enable),
+        )
+        .route(
+            "/webhook-endpoints/{endpoint_id}/redeliver",
+            post(webhooks::redeliver),
+        )
+        .route(
+            "/webhook-endpoints/{endpoint_id}/attempts",
+            get(webhooks::attempts),
+        )
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.yaml", get(docs::openapi))

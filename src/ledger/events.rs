@@ -209,21 +209,27 @@ pub struct EventsPurged {
 /// records the newest time it deleted (`events_purged`), so the
 /// reconciliation knows from when on every change must still have its
 /// event.
+///
+/// It also stops at the first event of transaction `keep_from_txid` or
+/// later: the caller's consumers (webhook endpoints) have not passed those
+/// yet, and everything deleted is then older than all of them.
 #[tracing::instrument(skip(pool))]
 pub async fn purge(
     pool: &PgPool,
     retention: Duration,
     batch_rows: i64,
+    keep_from_txid: Option<i64>,
 ) -> Result<EventsPurged, sqlx::Error> {
     let batch_rows = batch_rows.max(1);
     let mut deleted = 0u64;
     loop {
         let (seen, gone): (i64, i64) = sqlx::query_as(
             "WITH oldest AS (
-                 SELECT position, occurred_at FROM events ORDER BY position LIMIT $2
+                 SELECT position, occurred_at, txid FROM events ORDER BY position LIMIT $2
              ), stop AS (
                  SELECT min(position) AS position FROM oldest
                  WHERE occurred_at >= now() - make_interval(secs => $1)
+                    OR txid >= $3::int8::text::xid8
              ), gone AS (
                  DELETE FROM events e USING oldest o
                  WHERE e.position = o.position
@@ -237,6 +243,7 @@ pub async fn purge(
         )
         .bind(retention.as_secs_f64())
         .bind(batch_rows)
+        .bind(keep_from_txid)
         .fetch_one(pool)
         .await?;
         deleted += u64::try_from(gone).unwrap_or(0);

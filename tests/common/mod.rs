@@ -6,6 +6,7 @@
 
 pub mod process;
 pub mod proxy;
+pub mod receiver;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -130,6 +130,14 @@ problem_types! {
     InvalidQuery = "invalid-query",
     /// 400: `after` on `GET /events` is not a cursor the server handed out.
     InvalidEventCursor = "invalid-event-cursor",
+    /// 422: a webhook endpoint's URL or event types are not accepted.
+    InvalidWebhookEndpoint = "invalid-webhook-endpoint",
+    /// 422: the principal has as many webhook endpoints as allowed.
+    TooManyWebhookEndpoints = "too-many-webhook-endpoints",
+    /// 409: the principal already registered this URL; `detail` links it.
+    WebhookEndpointExists = "webhook-endpoint-exists",
+    /// 422: a redelivery request names nothing that can be sent again.
+    InvalidRedelivery = "invalid-redelivery",
     /// 404: no such resource, or another principal's.
     NotFound = "not-found",
     /// 405: the path exists, the method does not.
