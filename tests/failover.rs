@@ -345,35 +345,6 @@ async fn the_standby_away_for_a_while_loses_nothing() {
     cluster("wait-healthy");
 }
 
-/// What synchronous replication costs: the same load, without a fault,
-/// with the standby in the commit quorum and then trailing asynchronously.
-/// Prints both rates; every run's exactly-once checks still hold.
-#[tokio::test]
-#[ignore = "needs the HA cluster: .ci/steps/70-failover.sh"]
-async fn throughput_with_and_without_synchronous_replication() {
-    cluster("wait-healthy");
-    let mut rates = Vec::new();
-    for mode in ["on", "off"] {
-        cluster(&format!("sync {mode}"));
-        let (outcomes, struck_at, elapsed) = load_with_fault(async {}).await;
-        assert_nothing_lost_or_doubled(
-            &format!("no fault, synchronous replication {mode}"),
-            &outcomes,
-            struck_at,
-            elapsed,
-        )
-        .await;
-        rates.push(outcomes.len() as f64 / elapsed.as_secs_f64());
-    }
-    cluster("sync on");
-    println!(
-        "throughput: {:.0} intents/s with synchronous replication, {:.0} without ({:.2} of it)",
-        rates[0],
-        rates[1],
-        rates[0] / rates[1]
-    );
-}
-
 fn pgrep(pattern: &str) -> Vec<String> {
     let output = Command::new("pgrep")
         .args(["-f", pattern])
