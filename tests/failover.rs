@@ -6,8 +6,9 @@
 //! key and body until a final answer, with duplicate storms mixed in.
 //!
 //! Needs the cluster: `.ci/steps/70-failover.sh` brings it up, sets
-//! `NEXO_HA_URL` and runs these one at a time (`--ignored
-//! --test-threads=1`); plain `cargo test` skips them.
+//! `NEXO_HA_URL` and runs these one at a time (`--features ha-cluster
+//! --test failover -- --test-threads=1`); the test is built only with that
+//! feature, so plain `cargo test` does not build it.
 mod common;
 
 use std::path::Path;
@@ -274,7 +275,6 @@ async fn healthy_again() {
 }
 
 #[tokio::test]
-#[ignore = "needs the HA cluster: .ci/steps/70-failover.sh"]
 async fn the_primary_killed_under_load_loses_and_doubles_nothing() {
     cluster("wait-healthy");
     let (outcomes, struck_at, elapsed) = load_with_fault(async {
@@ -290,7 +290,6 @@ async fn the_primary_killed_under_load_loses_and_doubles_nothing() {
 /// committed; then the primary dies and the standby, which never got them,
 /// is promoted. None of those commits may have been acknowledged.
 #[tokio::test]
-#[ignore = "needs the HA cluster: .ci/steps/70-failover.sh"]
 async fn cancelled_replication_waits_then_a_failover_lose_nothing_acknowledged() {
     cluster("wait-healthy");
     let (outcomes, struck_at, elapsed) = load_with_fault(async {
@@ -332,7 +331,6 @@ async fn cancelled_replication_waits_then_a_failover_lose_nothing_acknowledged()
 
 /// The standby goes away for a while and comes back; no failover.
 #[tokio::test]
-#[ignore = "needs the HA cluster: .ci/steps/70-failover.sh"]
 async fn the_standby_away_for_a_while_loses_nothing() {
     cluster("wait-healthy");
     let (outcomes, struck_at, elapsed) = load_with_fault(async {

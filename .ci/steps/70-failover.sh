@@ -10,6 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+# The test is built only with the feature; lint it as the rest is linted.
+cargo clippy --locked --all-targets --features ha-cluster -- -D warnings
+
 export HA_DIR="${HA_DIR:-$(mktemp -d /tmp/nexo-ha.XXXXXX)}"
 rmdir "$HA_DIR" 2>/dev/null || true
 trap 'bash scripts/ha-cluster.sh down' EXIT
@@ -19,4 +22,4 @@ export NEXO_HA_URL
 # One at a time: the three runs share the cluster. Bounded: a run that
 # hangs fails the step instead of the whole CI budget. What synchronous
 # replication costs is a measurement, not a check: bench/replication.sh.
-timeout 900 cargo test --locked --test failover -- --ignored --test-threads=1 --nocapture
+timeout 900 cargo test --locked --features ha-cluster --test failover -- --test-threads=1 --nocapture
