@@ -219,30 +219,23 @@ pub async fn list<'e>(
     filter: &repo::TransferFilter<'_>,
     limit: i64,
 ) -> Result<Vec<Hold>, sqlx::Error> {
-    let (key_principal, key) = match filter.key {
-        Some((principal, key)) => (Some(principal), Some(key)),
-        None => (None, None),
-    };
-    sqlx::query_as(concat!(
-        select_hold!(),
-        " WHERE (from_account = ANY($1) OR to_account = ANY($1))
-            AND ($2::timestamptz IS NULL OR created_at > $2)
-            AND ($3::timestamptz IS NULL OR created_at < $3)
-            AND ($5::text IS NULL
-                 OR (principal_id = $4 AND (idempotency_key = $5 OR resolved_key = $5)))
-            AND ($6::uuid IS NULL OR id < $6)
-          ORDER BY id DESC
-          LIMIT $7"
-    ))
-    .bind(&filter.accounts)
-    .bind(filter.created_after)
-    .bind(filter.created_before)
-    .bind(key_principal)
-    .bind(key)
-    .bind(filter.before_id)
-    .bind(limit)
-    .fetch_all(executor)
-    .await
+    filter
+        .bind(
+            sqlx::query_as(concat!(
+                select_hold!(),
+                " WHERE (from_account = ANY($1) OR to_account = ANY($1))
+                    AND ($2::timestamptz IS NULL OR created_at > $2)
+                    AND ($3::timestamptz IS NULL OR created_at < $3)
+                    AND ($5::text IS NULL
+                         OR (principal_id = $4 AND (idempotency_key = $5 OR resolved_key = $5)))
+                    AND ($6::uuid IS NULL OR id < $6)
+                  ORDER BY id DESC
+                  LIMIT $7"
+            )),
+            limit,
+        )
+        .fetch_all(executor)
+        .await
 }
 
 /// The hold, locked for the rest of the caller's transaction: whatever the

@@ -743,6 +743,30 @@ pub struct TransferFilter<'a> {
     pub before_id: Option<Uuid>,
 }
 
+impl TransferFilter<'_> {
+    /// Binds a listing's parameters, the same for transfers and holds:
+    /// `$1` accounts, `$2` created after, `$3` created before, `$4` and `$5`
+    /// the key's principal and key, `$6` the id to page from, `$7` `limit`.
+    pub(crate) fn bind<'q, O>(
+        &'q self,
+        query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+        limit: i64,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+        let (key_principal, key) = match self.key {
+            Some((principal, key)) => (Some(principal), Some(key)),
+            None => (None, None),
+        };
+        query
+            .bind(&self.accounts)
+            .bind(self.created_after)
+            .bind(self.created_before)
+            .bind(key_principal)
+            .bind(key)
+            .bind(self.before_id)
+            .bind(limit)
+    }
+}
+
 /// A page of transfers, newest first; holds in any status, posted or not,
 /// are listed by [`super::holds::list`].
 pub async fn list_transfers<'e>(
@@ -750,32 +774,25 @@ pub async fn list_transfers<'e>(
     filter: &TransferFilter<'_>,
     limit: i64,
 ) -> Result<Vec<Transfer>, sqlx::Error> {
-    let (key_principal, key) = match filter.key {
-        Some((principal, key)) => (Some(principal), Some(key)),
-        None => (None, None),
-    };
-    sqlx::query_as(concat!(
-        select_transfer!(),
-        " WHERE (t.from_account = ANY($1) OR t.to_account = ANY($1))
-            AND ($2::timestamptz IS NULL OR t.created_at > $2)
-            AND ($3::timestamptz IS NULL OR t.created_at < $3)
-            AND ($5::text IS NULL OR (t.principal_id = $4 AND t.idempotency_key = $5))
-            AND ($6::uuid IS NULL OR t.id < $6)
-            -- A posted hold is listed from its hold (holds::list), as
-            -- GET /transfers/{id} shows it.
-            AND NOT EXISTS (SELECT 1 FROM holds h WHERE h.id = t.id)
-          ORDER BY t.id DESC
-          LIMIT $7"
-    ))
-    .bind(&filter.accounts)
-    .bind(filter.created_after)
-    .bind(filter.created_before)
-    .bind(key_principal)
-    .bind(key)
-    .bind(filter.before_id)
-    .bind(limit)
-    .fetch_all(executor)
-    .await
+    filter
+        .bind(
+            sqlx::query_as(concat!(
+                select_transfer!(),
+                " WHERE (t.from_account = ANY($1) OR t.to_account = ANY($1))
+                    AND ($2::timestamptz IS NULL OR t.created_at > $2)
+                    AND ($3::timestamptz IS NULL OR t.created_at < $3)
+                    AND ($5::text IS NULL OR (t.principal_id = $4 AND t.idempotency_key = $5))
+                    AND ($6::uuid IS NULL OR t.id < $6)
+                    -- A posted hold is listed from its hold (holds::list), as
+                    -- GET /transfers/{id} shows it.
+                    AND NOT EXISTS (SELECT 1 FROM holds h WHERE h.id = t.id)
+                  ORDER BY t.id DESC
+                  LIMIT $7"
+            )),
+            limit,
+        )
+        .fetch_all(executor)
+        .await
 }
 
 /// The ids of a principal's accounts.

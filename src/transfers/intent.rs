@@ -106,6 +106,17 @@ impl Invalid {
     }
 }
 
+/// A request's optional `description`, checked as every request checks it.
+pub fn parse_description(raw: Option<&str>) -> Result<Option<Description>, Invalid> {
+    raw.map(Description::parse).transpose().map_err(|e| {
+        Invalid::new(
+            ValidationKind::InvalidDescription,
+            "description",
+            e.to_string(),
+        )
+    })
+}
+
 /// A transfer request that passed every check that does not need the
 /// database.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,18 +186,7 @@ impl TransferIntent {
                 "from and to must be different accounts",
             ));
         }
-        let description = body
-            .description
-            .as_deref()
-            .map(Description::parse)
-            .transpose()
-            .map_err(|e| {
-                Invalid::new(
-                    ValidationKind::InvalidDescription,
-                    "description",
-                    e.to_string(),
-                )
-            })?;
+        let description = parse_description(body.description.as_deref())?;
         let hold = hold_terms(body)?;
         Ok(Self {
             from,

@@ -428,18 +428,7 @@ impl Transfers {
                 Ok(amount)
             })
             .transpose()?;
-        let description = body
-            .description
-            .as_deref()
-            .map(Description::parse)
-            .transpose()
-            .map_err(|e| {
-                Invalid::new(
-                    ValidationKind::InvalidDescription,
-                    "description",
-                    e.to_string(),
-                )
-            })?;
+        let description = super::intent::parse_description(body.description.as_deref())?;
         Ok(ReversalIntent {
             original: id,
             amount,
