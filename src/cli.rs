@@ -337,7 +337,16 @@ async fn execute(cli: Cli) -> Result<(), String> {
 async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
     let policy = config.idempotency.policy()?;
     let posting = config.posting.validated()?;
-    let webhook_settings = config.webhooks.settings()?;
+    let webhook_worker = match config.webhooks.settings()? {
+        Some(settings) => Some((
+            settings,
+            crate::webhooks::client::DeliveryClient::new(
+                config.webhooks.webhook_ca_file.as_deref(),
+                settings.timeout,
+            )?,
+        )),
+        None => None,
+    };
     // The port first: when it is taken, nothing else (creating the
     // database, migrating, loading the demo) should have happened.
     let listener = tokio::net::TcpListener::bind(&config.bind)
@@ -402,11 +411,12 @@ async fn serve(db: &DbConfig, config: ServeConfig) -> Result<(), String> {
         }
         None => None,
     };
-    let webhooks = webhook_settings.map(|settings| {
+    let webhooks = webhook_worker.map(|(settings, client)| {
         let mut closing = state.closing.subscribe();
         tokio::spawn(crate::webhooks::worker::run(
             pool.clone(),
             settings,
+            client,
             async move {
                 // A dropped sender is a server that is gone: stop as well.
                 let _ = closing.wait_for(|closing| *closing).await;

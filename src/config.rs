@@ -286,7 +286,7 @@ impl OperationsConfig {
 }
 
 /// The webhook delivery worker (docs/events.md, ADR-012).
-#[derive(Debug, Clone, Copy, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct WebhookConfig {
     /// How often the worker looks for endpoints with something to deliver;
     /// `0s` turns delivery off on this instance (another instance's worker
@@ -313,6 +313,11 @@ pub struct WebhookConfig {
     #[arg(long, env = "NEXO_WEBHOOK_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub webhook_concurrency: u32,
+    /// A PEM file of CA certificates trusted for `https` endpoints beside
+    /// the public roots compiled in (receivers behind a private CA); at
+    /// most 1 MiB. A file that cannot be read stops the server at start.
+    #[arg(long, env = "NEXO_WEBHOOK_CA_FILE")]
+    pub webhook_ca_file: Option<std::path::PathBuf>,
 }
 
 impl WebhookConfig {
@@ -416,6 +421,7 @@ mod tests {
             webhook_backoff_max: Duration::from_secs(300),
             webhook_retry_window: Duration::from_secs(3 * 86_400),
             webhook_concurrency: 16,
+            webhook_ca_file: None,
         };
         assert!(matches!(config(0, 10_000).settings(), Ok(None)));
         assert!(matches!(config(200, 10_000).settings(), Ok(Some(_))));

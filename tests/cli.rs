@@ -274,6 +274,35 @@ async fn only_serve_and_migrate_create_a_database_and_errors_name_what_was_tried
     );
     drop(taken);
 
+    // A CA file for webhooks that cannot be used stops the server before
+    // it listens or touches the database.
+    let not_pem = std::env::temp_dir().join(format!("nexo-not-pem-{}", uuid::Uuid::new_v4()));
+    std::fs::write(&not_pem, "not a certificate").unwrap();
+    for (file, says) in [
+        (not_pem.to_str().unwrap(), "holds no CERTIFICATE block"),
+        ("/nonexistent/ca.pem", "No such file"),
+    ] {
+        let port = free_port().to_string();
+        let (code, _, err) = run_cli(
+            &typo_url,
+            &[
+                "serve",
+                "--bind",
+                &format!("127.0.0.1:{port}"),
+                "--webhook-ca-file",
+                file,
+            ],
+        )
+        .await;
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("NEXO_WEBHOOK_CA_FILE") && err.contains(file) && err.contains(says),
+            "{err}"
+        );
+        assert!(!database_exists(&pool, &typo).await, "nothing done before");
+    }
+    let _ = std::fs::remove_file(&not_pem);
+
     let output = tokio::process::Command::new(BIN)
         .args(["migrate"])
         .env("DATABASE_URL", &typo_url)

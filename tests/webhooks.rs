@@ -10,10 +10,13 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::receiver::{Mode, Receiver};
+use common::tls_front::TlsFront;
 use common::*;
+use nexo_transfers::webhooks::client::DeliveryClient;
 use nexo_transfers::webhooks::worker::{self, Settings};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -38,8 +41,14 @@ struct Worker(Option<oneshot::Sender<()>>);
 
 impl Worker {
     fn spawn(pool: &PgPool, settings: Settings) -> Self {
+        Self::spawn_trusting(pool, settings, None)
+    }
+
+    /// With the certificates of `ca_file` trusted beside the public roots.
+    fn spawn_trusting(pool: &PgPool, settings: Settings, ca_file: Option<&Path>) -> Self {
+        let client = DeliveryClient::new(ca_file, settings.timeout).unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(worker::run(pool.clone(), settings, async move {
+        tokio::spawn(worker::run(pool.clone(), settings, client, async move {
             let _ = stopped.await;
         }));
         Self(Some(stop))
@@ -70,11 +79,22 @@ async fn post(app: &TestApp, token: &str, path: &str, body: &Value) -> Reply {
 /// Registers `path` of the receiver for A and tells the receiver its
 /// secret. Returns the endpoint as created.
 async fn register(app: &TestApp, receiver: &Receiver, path: &str, types: &[&str]) -> Value {
+    register_url(app, receiver, &receiver.url(path), path, types).await
+}
+
+/// As [`register`], with the receiver's `path` reached at `url`.
+async fn register_url(
+    app: &TestApp,
+    receiver: &Receiver,
+    url: &str,
+    path: &str,
+    types: &[&str],
+) -> Value {
     let reply = post(
         app,
         TOKEN_A,
         "/webhook-endpoints",
-        &json!({"url": receiver.url(path), "event_types": types}),
+        &json!({"url": url, "event_types": types}),
     )
     .await;
     assert_eq!(
@@ -216,6 +236,64 @@ async fn every_event_is_delivered_once_in_feed_order_signed_with_the_feeds_body(
         "the secret is shown only once"
     );
     assert_eq!(shown["last_attempt"]["outcome"], "delivered");
+}
+
+#[sqlx::test]
+async fn https_endpoints_get_deliveries_over_tls_only_from_an_authority_trusted(pool: PgPool) {
+    let app = TestApp::spawn(pool.clone()).await;
+    let receiver = Receiver::start().await;
+    let front = TlsFront::start(receiver.addr).await;
+    let endpoint = register_url(&app, &receiver, &front.url("/tls"), "/tls", &[]).await;
+    let id = endpoint["id"].as_str().unwrap().to_owned();
+    transfers(&app, 3).await;
+    let feed = feed_after(&app, endpoint["cursor"].as_str().unwrap(), 3).await;
+
+    // The public roots alone do not vouch for the receiver's certificate.
+    let untrusting = Worker::spawn(&pool, settings());
+    let started = Instant::now();
+    let refused = loop {
+        let tried = attempts(&app, &id).await;
+        if tried.iter().any(|a| a["finished_at"].is_string()) {
+            break tried;
+        }
+        assert!(started.elapsed() < WITHIN, "no attempt: {tried:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    drop(untrusting);
+    let finished: Vec<&Value> = refused
+        .iter()
+        .filter(|a| a["finished_at"].is_string())
+        .collect();
+    assert!(
+        finished.iter().all(|a| a["outcome"] == "connect_error"
+            && a["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("UnknownIssuer"))),
+        "{finished:#?}"
+    );
+    assert!(front.refused() >= 1, "the handshake was tried and failed");
+    assert_eq!(front.handshakes(), 0);
+    assert!(
+        receiver.deliveries("/tls").is_empty(),
+        "nothing went past the TLS front"
+    );
+
+    // With the authority trusted (NEXO_WEBHOOK_CA_FILE), every event
+    // arrives, through the TLS front only.
+    let _worker = Worker::spawn_trusting(&pool, settings(), Some(&front.ca_file));
+    until(&receiver, "/tls", "all delivered over TLS", |seen| {
+        delivered_ids(seen).len() >= feed.len()
+    })
+    .await;
+    let seen = receiver.deliveries("/tls");
+    assert!(seen.iter().all(|d| d.signature_ok));
+    assert_eq!(delivered_ids(&seen), ids(&feed));
+    assert!(
+        front.handshakes() >= seen.len(),
+        "the receiver closes each connection, so each delivery had a handshake of its own: {} for {}",
+        front.handshakes(),
+        seen.len()
+    );
 }
 
 #[sqlx::test]

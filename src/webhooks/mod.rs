@@ -3,6 +3,7 @@
 //! with `nexo_signature`. `store` owns the tables (migration 0009),
 //! `worker` delivers. Guarantees: docs/events.md; design: ADR-012.
 
+pub mod client;
 pub mod store;
 pub mod worker;
 
@@ -66,7 +67,7 @@ pub fn parse_url(raw: &str) -> Result<String, WebhookError> {
     if raw.len() > URL_LEN_MAX {
         return Err(bad(&format!("must be at most {URL_LEN_MAX} characters")));
     }
-    let url = reqwest::Url::parse(raw).map_err(|_| bad("must be an absolute http or https URL"))?;
+    let url = url::Url::parse(raw).map_err(|_| bad("must be an absolute http or https URL"))?;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(bad("must use http or https"));
     }
@@ -81,6 +82,7 @@ pub fn parse_url(raw: &str) -> Result<String, WebhookError> {
     if url.fragment().is_some() {
         return Err(bad("must not have a fragment"));
     }
+    client::request_uri(raw).map_err(|_| bad("must be an absolute http or https URL"))?;
     Ok(raw.to_owned())
 }
 

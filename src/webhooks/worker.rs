@@ -10,10 +10,12 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use http::header::{CONTENT_TYPE, HeaderMap, HeaderValue};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use super::client::{Answer, DeliveryClient};
 use crate::feed;
 use crate::ledger::events::{self, Cursor, Event};
 use crate::principal::PrincipalId;
@@ -52,17 +54,12 @@ impl Settings {
 
 /// Runs until `stop` resolves; then claims nothing more, waits for the
 /// deliveries in flight (each bounded by the timeout) and returns.
-pub async fn run(pool: PgPool, settings: Settings, stop: impl Future<Output = ()>) {
-    let client = match reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-    {
-        Ok(client) => client,
-        Err(e) => {
-            tracing::error!(error = %e, "the webhook client could not be built; no deliveries");
-            return;
-        }
-    };
+pub async fn run(
+    pool: PgPool,
+    settings: Settings,
+    client: DeliveryClient,
+    stop: impl Future<Output = ()>,
+) {
     let mut stop = std::pin::pin!(stop);
     let mut ticks = tokio::time::interval(settings.interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -162,7 +159,7 @@ enum Step {
     Stopped,
 }
 
-async fn serve(pool: PgPool, client: reqwest::Client, settings: Settings, mut endpoint: Claimed) {
+async fn serve(pool: PgPool, client: DeliveryClient, settings: Settings, mut endpoint: Claimed) {
     let mut drained = false;
     for _ in 0..DELIVERIES_PER_CLAIM_MAX {
         match step(&pool, &client, settings, &mut endpoint).await {
@@ -289,7 +286,7 @@ async fn next(pool: &PgPool, endpoint: &Claimed) -> Result<Next, sqlx::Error> {
 
 async fn step(
     pool: &PgPool,
-    client: &reqwest::Client,
+    client: &DeliveryClient,
     settings: Settings,
     endpoint: &mut Claimed,
 ) -> Result<Step, sqlx::Error> {
@@ -402,7 +399,7 @@ impl Outcome {
 /// The event as `GET /events` shows it to the endpoint's principal,
 /// signed with every live secret.
 async fn post(
-    client: &reqwest::Client,
+    client: &DeliveryClient,
     settings: Settings,
     endpoint: &Claimed,
     event: &Event,
@@ -417,40 +414,31 @@ async fn post(
         secrets.push(previous.as_bytes());
     }
     let signature = nexo_signature::sign(&secrets, Utc::now().timestamp(), &body);
-    let sent = client
-        .post(&endpoint.url)
-        .timeout(settings.timeout)
-        .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .header(nexo_signature::HEADER, signature)
-        .header("nexo-event-id", event.id.to_string())
-        .header("nexo-event-type", event.event_type.as_str())
-        .header("nexo-delivery-attempt", attempt.to_string())
-        .body(body)
-        .send()
-        .await;
-    match sent {
-        Ok(response) if response.status().is_success() => {
-            Outcome::Delivered(response.status().as_u16())
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    for (name, value) in [
+        (nexo_signature::HEADER, signature),
+        ("nexo-event-id", event.id.to_string()),
+        ("nexo-event-type", event.event_type.as_str().to_owned()),
+        ("nexo-delivery-attempt", attempt.to_string()),
+    ] {
+        // Made of ASCII digits, hex, letters and punctuation: always valid.
+        if let Ok(value) = HeaderValue::try_from(value) {
+            headers.insert(name, value);
         }
-        Ok(response) => Outcome::HttpError(response.status().as_u16()),
-        Err(e) if e.is_timeout() => Outcome::Timeout(format!(
+    }
+    match client
+        .post(&endpoint.url, headers, body, settings.timeout)
+        .await
+    {
+        Answer::Status(status) if (200..300).contains(&status) => Outcome::Delivered(status),
+        Answer::Status(status) => Outcome::HttpError(status),
+        Answer::Timeout => Outcome::Timeout(format!(
             "no answer within {} ms",
             settings.timeout.as_millis()
         )),
-        Err(e) => Outcome::ConnectError(error_chain(&e)),
+        Answer::Failed(why) => Outcome::ConnectError(why),
     }
-}
-
-/// The error and its causes: reqwest's own text is only the outermost.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 async fn record_attempt(

@@ -7,6 +7,7 @@
 pub mod process;
 pub mod proxy;
 pub mod receiver;
+pub mod tls_front;
 
 use std::net::SocketAddr;
 use std::time::Duration;
