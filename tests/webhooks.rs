@@ -347,6 +347,8 @@ async fn an_endpoint_failing_past_the_retry_window_is_disabled_and_enabling_resu
     let receiver = Receiver::start().await;
     let endpoint = register(&app, &receiver, "/down", &[]).await;
     let id = endpoint["id"].as_str().unwrap().to_owned();
+    // Another endpoint of the owner, for the notice alone.
+    register(&app, &receiver, "/watch", &["webhook_endpoint.disabled"]).await;
     receiver.set_mode("/down", Mode::Fail);
     let before = app.metrics().await;
     let _worker = Worker::spawn(
@@ -389,6 +391,60 @@ async fn an_endpoint_failing_past_the_retry_window_is_disabled_and_enabling_resu
             >= 1.0
     );
     let tried = receiver.deliveries("/down").len();
+
+    // The feed says so, with the endpoint as it was disabled, in the
+    // transaction that disabled it; the owner's other endpoint gets it.
+    let last_transfer = feed[feed.len() - 1]["cursor"].as_str().unwrap();
+    let started = Instant::now();
+    let notice = loop {
+        let page = app
+            .get(
+                TOKEN_A,
+                &format!("/events?after={last_transfer}&limit=1000"),
+            )
+            .await
+            .json();
+        let found = page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| {
+                e["type"] == "webhook_endpoint.disabled" && e["resource"]["id"] == id.as_str()
+            })
+            .cloned();
+        if let Some(notice) = found {
+            break notice;
+        }
+        assert!(started.elapsed() < WITHIN, "no notice in the feed: {page}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(notice["resource"]["status"], "disabled");
+    assert_eq!(
+        notice["resource"]["disabled_reason"],
+        disabled["disabled_reason"]
+    );
+    assert_eq!(notice["resource"]["disabled_at"], disabled["disabled_at"]);
+    assert_eq!(notice["occurred_at"], disabled["disabled_at"]);
+    assert!(notice["resource"].get("secret").is_none());
+    assert_eq!(notice["sequences"], json!({}), "it moved no account");
+    let notice_id = notice["id"].as_str().unwrap().to_owned();
+    until(&receiver, "/watch", "the notice delivered", |seen| {
+        delivered_ids(seen) == [notice_id.clone()]
+    })
+    .await;
+    assert!(receiver.deliveries("/watch").iter().all(|d| d.signature_ok));
+    assert_eq!(
+        app.get(TOKEN_B, "/events?limit=1000").await.json()["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["id"] == notice["id"])
+            .count(),
+        0,
+        "another principal does not see it"
+    );
+    assert_reconciles(&pool).await;
+
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         receiver.deliveries("/down").len(),
@@ -406,11 +462,15 @@ async fn an_endpoint_failing_past_the_retry_window_is_disabled_and_enabling_resu
     .await;
     assert_eq!(reply.status, 200);
     assert_eq!(reply.json()["status"], "enabled");
+    // Resumed where it stopped: the events it missed, then the notice
+    // of its own disabling (it asked for every type).
+    let mut missed = ids(&feed);
+    missed.push(notice_id);
     until(&receiver, "/down", "resumed", |seen| {
-        delivered_ids(seen).len() >= 2
+        delivered_ids(seen).len() >= missed.len()
     })
     .await;
-    assert_eq!(delivered_ids(&receiver.deliveries("/down")), ids(&feed));
+    assert_eq!(delivered_ids(&receiver.deliveries("/down")), missed);
 }
 
 #[sqlx::test]

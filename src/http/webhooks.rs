@@ -7,14 +7,14 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use uuid::Uuid;
 
 use super::AppState;
 use super::error::ApiError;
 use super::extract::{PathParam, Principal, StrictJson};
 use crate::ledger::events::Cursor;
-use crate::webhooks::store::{self, Attempt, Endpoint};
+use crate::webhooks::store::{self, AttemptView, EndpointView, attempt_view, endpoint_view};
 use crate::webhooks::{self, WebhookError};
 
 #[derive(Deserialize)]
@@ -46,71 +46,6 @@ fn present<'de, D: serde::Deserializer<'de>>(
 #[serde(deny_unknown_fields)]
 pub struct AttemptsQuery {
     pub limit: Option<String>,
-}
-
-#[derive(Serialize)]
-pub struct AttemptView {
-    pub event_id: Uuid,
-    pub attempt: i32,
-    pub started_at: String,
-    pub finished_at: Option<String>,
-    /// `delivered`, `http_error`, `timeout`, `connect_error`; null while in
-    /// flight (or when the instance making it stopped).
-    pub outcome: Option<String>,
-    pub status_code: Option<i32>,
-    pub error: Option<String>,
-    pub duration_ms: Option<i64>,
-}
-
-#[derive(Serialize)]
-pub struct EndpointView {
-    pub id: Uuid,
-    pub url: String,
-    pub event_types: Vec<String>,
-    pub status: String,
-    pub disabled_reason: Option<String>,
-    pub disabled_at: Option<String>,
-    pub consecutive_failures: i32,
-    /// The last event delivered (or given up on), as a feed cursor.
-    pub cursor: String,
-    pub next_attempt_at: String,
-    pub created_at: String,
-    /// Only in the answers that create or rotate it: never shown again.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
-    /// Only on `GET /webhook-endpoints/{id}`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_attempt: Option<Option<AttemptView>>,
-}
-
-fn attempt_view(a: Attempt) -> AttemptView {
-    AttemptView {
-        event_id: a.event_id,
-        attempt: a.attempt,
-        started_at: super::timestamp(a.started_at),
-        finished_at: a.finished_at.map(super::timestamp),
-        outcome: a.outcome,
-        status_code: a.status_code,
-        error: a.error,
-        duration_ms: a.duration_ms,
-    }
-}
-
-fn endpoint_view(e: Endpoint) -> EndpointView {
-    EndpointView {
-        cursor: e.cursor().encode(),
-        id: e.id,
-        url: e.url,
-        event_types: e.event_types,
-        status: e.status,
-        disabled_reason: e.disabled_reason,
-        disabled_at: e.disabled_at.map(super::timestamp),
-        consecutive_failures: e.consecutive_failures,
-        next_attempt_at: super::timestamp(e.next_attempt_at),
-        created_at: super::timestamp(e.created_at),
-        secret: None,
-        last_attempt: None,
-    }
 }
 
 impl From<WebhookError> for ApiError {

@@ -37,16 +37,20 @@ pub enum EventType {
     HoldVoided,
     /// A pending transfer passed its expiry: its reservation released.
     HoldExpired,
+    /// A webhook endpoint failed past its retry window and was disabled:
+    /// not a ledger change, so it names no account and has no sequence.
+    WebhookEndpointDisabled,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 6] = [
+    pub const ALL: [EventType; 7] = [
         EventType::TransferPosted,
         EventType::TransferReversed,
         EventType::HoldCreated,
         EventType::HoldPosted,
         EventType::HoldVoided,
         EventType::HoldExpired,
+        EventType::WebhookEndpointDisabled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,6 +61,7 @@ impl EventType {
             Self::HoldPosted => "hold.posted",
             Self::HoldVoided => "hold.voided",
             Self::HoldExpired => "hold.expired",
+            Self::WebhookEndpointDisabled => "webhook_endpoint.disabled",
         }
     }
 }
@@ -114,11 +119,13 @@ pub struct Event {
     pub resource_id: Uuid,
     pub resource: sqlx::types::JsonValue,
     pub occurred_at: DateTime<Utc>,
-    pub from_account: String,
-    pub to_account: String,
+    /// The accounts a ledger event moved (or reserved on); none for a
+    /// notice about a webhook endpoint.
+    pub from_account: Option<String>,
+    pub to_account: Option<String>,
     pub from_principal: Option<PrincipalId>,
     pub to_principal: Option<PrincipalId>,
-    pub from_seq: i64,
+    pub from_seq: Option<i64>,
     pub to_seq: Option<i64>,
 }
 
@@ -136,9 +143,12 @@ impl Event {
     /// would tell how busy that account is.
     pub fn sequences_of(&self, principal: PrincipalId) -> Vec<(&str, i64)> {
         let from = (self.from_principal == Some(principal))
-            .then_some((self.from_account.as_str(), self.from_seq));
+            .then_some(self.from_account.as_deref())
+            .flatten()
+            .zip(self.from_seq);
         let to = (self.to_principal == Some(principal))
-            .then_some(self.to_account.as_str())
+            .then_some(self.to_account.as_deref())
+            .flatten()
             .zip(self.to_seq);
         from.into_iter().chain(to).collect()
     }
@@ -322,11 +332,11 @@ mod tests {
             resource_id: Uuid::now_v7(),
             resource: serde_json::json!({}),
             occurred_at: Utc::now(),
-            from_account: "acc_a".to_owned(),
-            to_account: "acc_b".to_owned(),
+            from_account: Some("acc_a".to_owned()),
+            to_account: Some("acc_b".to_owned()),
             from_principal,
             to_principal,
-            from_seq: 3,
+            from_seq: Some(3),
             to_seq,
         };
         assert_eq!(
@@ -346,5 +356,13 @@ mod tests {
             [],
             "a hold's creation does not move its destination"
         );
+        let notice = Event {
+            event_type: "webhook_endpoint.disabled".to_owned(),
+            from_account: None,
+            to_account: None,
+            from_seq: None,
+            ..event(Some(mine), None, None)
+        };
+        assert_eq!(notice.sequences_of(mine), [], "it moved no account");
     }
 }

@@ -3,14 +3,16 @@
 //! own statements (claims, attempts, outcomes) are in `worker`.
 
 use chrono::{DateTime, Utc};
+use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::{
     ENDPOINTS_MAX, PREVIOUS_SECRET_WINDOW, REDELIVER_RANGE_EVENTS_MAX, WebhookError, new_secret,
 };
-use crate::ledger::events::{self, Cursor};
+use crate::ledger::events::{self, Cursor, EventType};
 use crate::principal::PrincipalId;
+use crate::transfers::render::timestamp;
 
 /// An endpoint without its secrets.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -49,6 +51,74 @@ pub struct Attempt {
     pub status_code: Option<i32>,
     pub error: Option<String>,
     pub duration_ms: Option<i64>,
+}
+
+/// An attempt as the API shows it.
+#[derive(Serialize)]
+pub struct AttemptView {
+    pub event_id: Uuid,
+    pub attempt: i32,
+    pub started_at: String,
+    pub finished_at: Option<String>,
+    /// `delivered`, `http_error`, `timeout`, `connect_error`; null while in
+    /// flight (or when the instance making it stopped).
+    pub outcome: Option<String>,
+    pub status_code: Option<i32>,
+    pub error: Option<String>,
+    pub duration_ms: Option<i64>,
+}
+
+/// An endpoint as the API shows it, and as a `webhook_endpoint.disabled`
+/// event carries it.
+#[derive(Serialize)]
+pub struct EndpointView {
+    pub id: Uuid,
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub status: String,
+    pub disabled_reason: Option<String>,
+    pub disabled_at: Option<String>,
+    pub consecutive_failures: i32,
+    /// The last event delivered (or given up on), as a feed cursor.
+    pub cursor: String,
+    pub next_attempt_at: String,
+    pub created_at: String,
+    /// Only in the answers that create or rotate it: never shown again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// Only on `GET /webhook-endpoints/{id}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_attempt: Option<Option<AttemptView>>,
+}
+
+pub fn attempt_view(a: Attempt) -> AttemptView {
+    AttemptView {
+        event_id: a.event_id,
+        attempt: a.attempt,
+        started_at: timestamp(a.started_at),
+        finished_at: a.finished_at.map(timestamp),
+        outcome: a.outcome,
+        status_code: a.status_code,
+        error: a.error,
+        duration_ms: a.duration_ms,
+    }
+}
+
+pub fn endpoint_view(e: Endpoint) -> EndpointView {
+    EndpointView {
+        cursor: e.cursor().encode(),
+        id: e.id,
+        url: e.url,
+        event_types: e.event_types,
+        status: e.status,
+        disabled_reason: e.disabled_reason,
+        disabled_at: e.disabled_at.map(timestamp),
+        consecutive_failures: e.consecutive_failures,
+        next_attempt_at: timestamp(e.next_attempt_at),
+        created_at: timestamp(e.created_at),
+        secret: None,
+        last_attempt: None,
+    }
 }
 
 /// The columns of [`Endpoint`], spliced into the statements at compile
@@ -144,6 +214,39 @@ pub async fn get(
     .ok_or(WebhookError::NotFound)?;
     let last = attempts(pool, principal, id, 1).await?.into_iter().next();
     Ok((endpoint, last))
+}
+
+/// Writes the `webhook_endpoint.disabled` event of an endpoint the
+/// caller's transaction has just disabled, carrying the endpoint as
+/// `GET /webhook-endpoints/{id}` shows it: the owner's feed (and its other
+/// endpoints) learn of it in the transaction that did it, or not at all.
+pub async fn announce_disabled(
+    tx: &mut sqlx::PgConnection,
+    principal: PrincipalId,
+    id: Uuid,
+) -> Result<(), sqlx::Error> {
+    let endpoint: Endpoint = sqlx::query_as(concat!(
+        "SELECT ",
+        endpoint_columns!(),
+        " FROM webhook_endpoints WHERE principal_id = $1 AND id = $2"
+    ))
+    .bind(principal)
+    .bind(id)
+    .fetch_one(&mut *tx)
+    .await?;
+    let resource = serde_json::to_value(endpoint_view(endpoint))
+        .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    sqlx::query(
+        "INSERT INTO events (type, resource_id, resource, from_principal)
+         VALUES ($1, $2, $3, $4)",
+    )
+    .bind(EventType::WebhookEndpointDisabled.as_str())
+    .bind(id)
+    .bind(resource)
+    .bind(principal)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 pub async fn delete(pool: &PgPool, principal: PrincipalId, id: Uuid) -> Result<(), WebhookError> {

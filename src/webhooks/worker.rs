@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::client::{Answer, DeliveryClient};
 use crate::feed;
-use crate::ledger::events::{self, Cursor, Event};
+use crate::ledger::events::{self, Cursor, Event, EventType};
 use crate::principal::PrincipalId;
 use crate::telemetry;
 
@@ -539,6 +539,7 @@ async fn failed(
         settings.retry_window.as_secs(),
         outcome.error().unwrap_or_default()
     );
+    let mut tx = pool.begin().await?;
     let status: Option<String> = sqlx::query_scalar(
         "WITH since AS (
              SELECT COALESCE(failing_since, $3) AS at FROM webhook_endpoints WHERE id = $1
@@ -562,10 +563,16 @@ async fn failed(
     .bind(wait.as_secs_f64())
     .bind(settings.retry_window.as_secs_f64())
     .bind(&reason)
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await?;
-    if status.as_deref() == Some("disabled") {
+    let disabled = status.as_deref() == Some("disabled");
+    if disabled {
+        super::store::announce_disabled(&mut tx, endpoint.principal_id, endpoint.id).await?;
+    }
+    tx.commit().await?;
+    if disabled {
         telemetry::webhook_endpoint_disabled();
+        telemetry::events_written(EventType::WebhookEndpointDisabled, 1);
         tracing::warn!(endpoint_id = %endpoint.id, event_id = %event.id, %reason, "webhook endpoint disabled");
     }
     Ok(())
