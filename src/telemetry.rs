@@ -23,6 +23,8 @@ use crate::reconcile::{Check, Report};
 pub const HTTP_REQUESTS_TOTAL: &str = "nexo_http_requests_total";
 pub const HTTP_REQUEST_DURATION_SECONDS: &str = "nexo_http_request_duration_seconds";
 pub const IDEMPOTENCY_OUTCOMES_TOTAL: &str = "nexo_idempotency_outcomes_total";
+pub const CLAIM_STATEMENTS_TOTAL: &str = "nexo_idempotency_claim_statements_total";
+pub const CLAIM_ATTEMPTS_TOTAL: &str = "nexo_idempotency_claim_attempts_total";
 pub const TRANSFERS_POSTED_TOTAL: &str = "nexo_transfers_posted_total";
 pub const TRANSFERS_REJECTED_TOTAL: &str = "nexo_transfers_rejected_total";
 pub const HOLDS_TOTAL: &str = "nexo_holds_total";
@@ -44,10 +46,12 @@ pub const WEBHOOK_ENDPOINTS_DISABLED_TOTAL: &str = "nexo_webhook_endpoints_disab
 pub const WEBHOOK_OLDEST_UNDELIVERED_SECONDS: &str = "nexo_webhook_oldest_undelivered_seconds";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 22] = [
+pub const METRICS: [&str; 24] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
+    CLAIM_STATEMENTS_TOTAL,
+    CLAIM_ATTEMPTS_TOTAL,
     TRANSFERS_POSTED_TOTAL,
     TRANSFERS_REJECTED_TOTAL,
     HOLDS_TOTAL,
@@ -157,6 +161,16 @@ fn describe() {
         "POST /transfers idempotency outcomes: claim results and executions that did not complete"
     );
     describe_counter!(
+        CLAIM_STATEMENTS_TOTAL,
+        Unit::Count,
+        "Insert-first claim statements run; claims arriving together share one"
+    );
+    describe_counter!(
+        CLAIM_ATTEMPTS_TOTAL,
+        Unit::Count,
+        "Insert-first claim attempts those statements carried (attempts / statements = claims per statement)"
+    );
+    describe_counter!(
         HOLDS_TOTAL,
         Unit::Count,
         "Pending transfers (holds) by what happened to them: created, posted, voided, expired"
@@ -260,6 +274,8 @@ fn describe() {
         counter!(HOLDS_TOTAL, "event" => event).absolute(0);
     }
     counter!(DB_POOL_ACQUIRE_TIMEOUTS_TOTAL).absolute(0);
+    counter!(CLAIM_STATEMENTS_TOTAL).absolute(0);
+    counter!(CLAIM_ATTEMPTS_TOTAL).absolute(0);
     for result in ["ok", "error"] {
         counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
     }
@@ -351,6 +367,12 @@ pub fn events_purge(result: &Result<EventsPurged, sqlx::Error>, at: chrono::Date
 /// One webhook attempt ended; `outcome` is one of [`WEBHOOK_OUTCOMES`].
 pub fn webhook_attempt(outcome: &'static str) {
     counter!(WEBHOOK_ATTEMPTS_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// One insert-first claim statement carrying `attempts` claims.
+pub fn claim_statement(attempts: usize) {
+    counter!(CLAIM_STATEMENTS_TOTAL).increment(1);
+    counter!(CLAIM_ATTEMPTS_TOTAL).increment(u64::try_from(attempts).unwrap_or(u64::MAX));
 }
 
 /// The worker disabled an endpoint whose head event failed past the retry

@@ -3,6 +3,7 @@
 //! release it. Knows nothing of the ledger or of HTTP routing: what a key
 //! protects is whatever the caller completes it with.
 
+pub mod claims;
 mod fingerprint;
 mod key;
 pub mod store;

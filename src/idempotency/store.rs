@@ -193,12 +193,24 @@ impl ExistingRow {
     }
 }
 
+/// The columns of [`ExistingRow`] (and of [`ClaimAttempt`] after its
+/// `claimed`), spliced into the statements that read a key's row at
+/// compile time (sqlx takes only static SQL).
+macro_rules! key_row_columns {
+    () => {
+        "fingerprint, status, locked_until, locked_until > now() AS lease_live, \
+         idempotency_key_forgotten(status, locked_until, expires_at, retain_until) AS forgotten, \
+         response_status, response_headers, response_body, problem_type, request_id, transfer_id, \
+         updated_at, expires_at, retain_until, compacted_at IS NOT NULL AS compacted"
+    };
+}
+
 /// The claim statement's answer: our token when the insert won, otherwise
 /// the colliding row as the statement's snapshot saw it (all NULL when the
 /// row committed after the snapshot was taken).
 #[derive(sqlx::FromRow)]
-struct ClaimAttempt {
-    claimed: Option<Uuid>,
+pub(crate) struct ClaimAttempt {
+    pub(crate) claimed: Option<Uuid>,
     fingerprint: Option<Vec<u8>>,
     status: Option<KeyStatus>,
     locked_until: Option<DateTime<Utc>>,
@@ -238,7 +250,113 @@ impl ClaimAttempt {
     }
 }
 
-#[tracing::instrument(skip_all, fields(key = %key))]
+/// One request's insert-first attempt: the row it would insert.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimInput {
+    pub scope: PrincipalId,
+    pub key: IdempotencyKey,
+    pub method: String,
+    pub path: String,
+    pub fingerprint: Fingerprint,
+    pub token: Uuid,
+}
+
+/// The claim statement for any number of requests at once, each with a
+/// distinct (scope, key): the insert-first claims and, for each insert
+/// that collided, a read of the row it collided with, in one statement.
+/// A replay or a conflict is answered in the same round trip as a claim.
+/// The read uses the statement's snapshot, so it misses a row committed
+/// while the insert waited on it; only then is the row read again on its
+/// own. A key whose row the snapshot already holds is not inserted at all:
+/// inserting would wait for any transaction holding that row (a ledger
+/// transaction completing it), and the whole statement, with the other
+/// requests' claims, would wait with it. So a statement waits only for
+/// claim statements inserting the same new keys, which take milliseconds.
+/// Rows are inserted in (scope, key) order, so two of these statements
+/// that wait on each other's keys wait in the same order and cannot
+/// deadlock. The answers come back in `inputs`' order.
+pub(crate) async fn insert_first(
+    pool: &PgPool,
+    policy: Policy,
+    inputs: &[ClaimInput],
+) -> Result<Vec<ClaimAttempt>, sqlx::Error> {
+    let scopes: Vec<Uuid> = inputs.iter().map(|i| i.scope.0).collect();
+    let keys: Vec<&str> = inputs.iter().map(|i| i.key.as_str()).collect();
+    let methods: Vec<&str> = inputs.iter().map(|i| i.method.as_str()).collect();
+    let paths: Vec<&str> = inputs.iter().map(|i| i.path.as_str()).collect();
+    let fingerprints: Vec<&[u8]> = inputs
+        .iter()
+        .map(|i| i.fingerprint.as_bytes().as_slice())
+        .collect();
+    let tokens: Vec<Uuid> = inputs.iter().map(|i| i.token).collect();
+    let attempts: Vec<ClaimAttempt> = sqlx::query_as(concat!(
+        "WITH input AS MATERIALIZED (
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                                  $6::uuid[])
+                 WITH ORDINALITY AS i(principal_id, idempotency_key, request_method, request_path,
+                                      fingerprint, lock_token, n)
+         ), claimed AS (
+             INSERT INTO idempotency_keys
+                 (principal_id, idempotency_key, request_method, request_path, fingerprint,
+                  status, lock_token, locked_until, expires_at, retain_until)
+             SELECT principal_id, idempotency_key, request_method, request_path, fingerprint,
+                    'IN_PROGRESS', lock_token, now() + make_interval(secs => $7),
+                    now() + make_interval(secs => $8), now() + make_interval(secs => $9)
+             FROM input i
+             WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys k
+                               WHERE k.principal_id = i.principal_id
+                                 AND k.idempotency_key = i.idempotency_key)
+             ORDER BY principal_id, idempotency_key
+             ON CONFLICT (principal_id, idempotency_key) DO NOTHING
+             RETURNING lock_token
+         )
+         SELECT c.lock_token AS claimed, k.*
+         FROM input i
+         LEFT JOIN claimed c ON c.lock_token = i.lock_token
+         LEFT JOIN LATERAL (
+             SELECT ",
+        key_row_columns!(),
+        "
+             FROM idempotency_keys
+             WHERE principal_id = i.principal_id AND idempotency_key = i.idempotency_key
+         ) AS k ON c.lock_token IS NULL
+         ORDER BY i.n"
+    ))
+    .bind(&scopes)
+    .bind(&keys)
+    .bind(&methods)
+    .bind(&paths)
+    .bind(&fingerprints)
+    .bind(&tokens)
+    .bind(policy.lease.as_secs_f64())
+    .bind(policy.ttl.as_secs_f64())
+    .bind(policy.retention.as_secs_f64())
+    .fetch_all(pool)
+    .await?;
+    crate::telemetry::claim_statement(inputs.len());
+    if attempts.len() != inputs.len() {
+        return Err(sqlx::Error::Protocol(format!(
+            "the claim statement answered {} rows for {} claims",
+            attempts.len(),
+            inputs.len()
+        )));
+    }
+    Ok(attempts)
+}
+
+/// [`insert_first`] for one request.
+pub(crate) async fn insert_one(
+    pool: &PgPool,
+    policy: Policy,
+    input: ClaimInput,
+) -> Result<ClaimAttempt, sqlx::Error> {
+    insert_first(pool, policy, std::slice::from_ref(&input))
+        .await?
+        .pop()
+        .ok_or_else(|| sqlx::Error::Protocol("the claim statement answered no row".to_owned()))
+}
+
+/// Claims `key` with a statement of its own.
 pub async fn claim(
     keys: &KeyPool,
     policy: Policy,
@@ -248,50 +366,56 @@ pub async fn claim(
     path: &str,
     fingerprint: &Fingerprint,
 ) -> Result<ClaimOutcome, sqlx::Error> {
+    claim_with(
+        keys,
+        policy,
+        scope,
+        key,
+        method,
+        path,
+        fingerprint,
+        |input| async move {
+            let mut attempts =
+                insert_first(keys.pool(), policy, std::slice::from_ref(&input)).await?;
+            attempts.pop().ok_or_else(|| {
+                sqlx::Error::Protocol("the claim statement answered no row".to_owned())
+            })
+        },
+    )
+    .await
+}
+
+/// The claim: the insert-first attempt (`attempt`, alone or batched with
+/// others), then whatever the key's row calls for (a replay, 422, 409, a
+/// takeover), with the row re-read as often as it changes under us.
+#[allow(clippy::too_many_arguments)]
+#[tracing::instrument(skip_all, fields(key = %key))]
+pub(crate) async fn claim_with<F, Fut>(
+    keys: &KeyPool,
+    policy: Policy,
+    scope: PrincipalId,
+    key: &IdempotencyKey,
+    method: &str,
+    path: &str,
+    fingerprint: &Fingerprint,
+    attempt: F,
+) -> Result<ClaimOutcome, sqlx::Error>
+where
+    F: Fn(ClaimInput) -> Fut,
+    Fut: std::future::Future<Output = Result<ClaimAttempt, sqlx::Error>>,
+{
     let pool = keys.pool();
     let mut last_seen_until = Utc::now();
     for _ in 0..CLAIM_PASSES_MAX {
         let token = Uuid::new_v4();
-        // The insert-first claim and a read of the row it collided with, in
-        // one statement: a replay or a conflict is answered in one round
-        // trip instead of two. The read uses the statement's snapshot, so it
-        // misses a row committed while the insert waited on it; only then is
-        // the row read again on its own.
-        let attempt: ClaimAttempt = sqlx::query_as(
-            "WITH claimed AS (
-                 INSERT INTO idempotency_keys
-                     (principal_id, idempotency_key, request_method, request_path, fingerprint,
-                      status, lock_token, locked_until, expires_at, retain_until)
-                 VALUES ($1, $2, $3, $4, $5, 'IN_PROGRESS', $6,
-                         now() + make_interval(secs => $7), now() + make_interval(secs => $8),
-                         now() + make_interval(secs => $9))
-                 ON CONFLICT (principal_id, idempotency_key) DO NOTHING
-                 RETURNING lock_token
-             )
-             SELECT (SELECT lock_token FROM claimed) AS claimed, k.*
-             FROM (SELECT 1) AS one
-             LEFT JOIN LATERAL (
-                 SELECT fingerprint, status, locked_until,
-                        locked_until > now() AS lease_live,
-                        idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
-                            AS forgotten,
-                        response_status, response_headers, response_body, problem_type, request_id,
-                        transfer_id, updated_at, expires_at, retain_until,
-                        compacted_at IS NOT NULL AS compacted
-                 FROM idempotency_keys
-                 WHERE principal_id = $1 AND idempotency_key = $2
-             ) AS k ON true",
-        )
-        .bind(scope)
-        .bind(key.as_str())
-        .bind(method)
-        .bind(path)
-        .bind(fingerprint.as_bytes().as_slice())
-        .bind(token)
-        .bind(policy.lease.as_secs_f64())
-        .bind(policy.ttl.as_secs_f64())
-        .bind(policy.retention.as_secs_f64())
-        .fetch_one(pool)
+        let attempt = attempt(ClaimInput {
+            scope,
+            key: key.clone(),
+            method: method.to_owned(),
+            path: path.to_owned(),
+            fingerprint: *fingerprint,
+            token,
+        })
         .await?;
         if attempt.claimed.is_some() {
             return Ok(ClaimOutcome::Claimed(Claim {
@@ -426,17 +550,11 @@ async fn read_row(
     scope: PrincipalId,
     key: &IdempotencyKey,
 ) -> Result<Option<ExistingRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT fingerprint, status, locked_until,
-                locked_until > now() AS lease_live,
-                idempotency_key_forgotten(status, locked_until, expires_at, retain_until)
-                    AS forgotten,
-                response_status, response_headers, response_body, problem_type, request_id,
-                transfer_id, updated_at, expires_at, retain_until,
-                compacted_at IS NOT NULL AS compacted
-         FROM idempotency_keys
-         WHERE principal_id = $1 AND idempotency_key = $2",
-    )
+    sqlx::query_as(concat!(
+        "SELECT ",
+        key_row_columns!(),
+        " FROM idempotency_keys WHERE principal_id = $1 AND idempotency_key = $2"
+    ))
     .bind(scope)
     .bind(key.as_str())
     .fetch_optional(pool)

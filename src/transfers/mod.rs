@@ -30,6 +30,7 @@ use tracing::Instrument;
 use crate::caches::Caches;
 use crate::db::replication::Replication;
 use crate::db::{self, KeyPool};
+use crate::idempotency::claims::ClaimBatcher;
 use crate::idempotency::{
     Answer, Claim, ClaimOutcome, Fingerprint, IdempotencyKey, Outcome, Policy, StoredResponse,
     store,
@@ -228,6 +229,8 @@ impl From<sqlx::Error> for TransferError {
 pub struct Transfers {
     pub pool: PgPool,
     pub keys: KeyPool,
+    /// Claims arriving together share a statement (ADR-006).
+    pub claims: ClaimBatcher,
     pub policy: Policy,
     pub caches: Arc<Caches>,
     /// The `currencies` table, read at start-up: it only changes by migration.
@@ -291,6 +294,7 @@ impl Transfers {
             ),
             replication,
             pool,
+            claims: ClaimBatcher::start(keys.clone(), policy),
             keys,
             policy,
             caches: Arc::new(Caches::new(policy.ttl)),
@@ -419,16 +423,10 @@ impl Transfers {
         route: &'static str,
         fingerprint: &Fingerprint,
     ) -> Result<Claim, Counted> {
-        let claimed = store::claim(
-            &self.keys,
-            self.policy,
-            principal,
-            key,
-            "POST",
-            route,
-            fingerprint,
-        )
-        .await;
+        let claimed = self
+            .claims
+            .claim(principal, key, "POST", route, fingerprint)
+            .await;
         match claimed {
             Err(e) => Err((None, Err(e.into()))),
             Ok(ClaimOutcome::Replay(answer)) => {
