@@ -5,7 +5,7 @@
 # generator with the same load twice: the standby in the commit quorum
 # (every acknowledged transfer is on both nodes, ADR-008), then trailing
 # asynchronously. Prints both rates and their ratio, writes them to
-# target/bench/replication-<time>/, and exits non-zero when a run's
+# target/bench/replication-<time>/ (or BENCH_REPLICATION_OUT), and exits non-zero when a run's
 # exactly-once or ledger checks fail.
 #
 #   bench/replication.sh                       32 clients, `new`, 10 s each
@@ -20,7 +20,8 @@ CLIENTS="${BENCH_REPLICATION_CLIENTS:-32}"
 SECONDS_PER_RUN="${BENCH_REPLICATION_SECONDS:-10}"
 SCENARIO="${BENCH_REPLICATION_SCENARIO:-new}"
 PORT="${BENCH_PORT:-18182}"
-OUT="target/bench/replication-$(date -u +%Y%m%dT%H%M%SZ)"
+# bench/run.sh passes its own result folder, so the report has it.
+OUT="${BENCH_REPLICATION_OUT:-target/bench/replication-$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "$OUT"
 export HA_DIR="${HA_DIR:-$(mktemp -d /tmp/nexo-ha-bench.XXXXXX)}"
 rmdir "$HA_DIR" 2>/dev/null || true

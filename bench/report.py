@@ -283,6 +283,30 @@ def main():
         add(f"| **all** | | {fmt(total / 2**20, 1)} | | **{fmt(total / transfers)}** |")
         add("")
 
+    replication = {}
+    for mode in ("on", "off"):
+        path = os.path.join(folder, "replication", f"sync-{mode}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                replication[mode] = json.load(f)
+    if len(replication) == 2:
+        on, off = replication["on"], replication["off"]
+        add("## Synchronous replication")
+        add("")
+        add(f"`bench/replication.sh`: the release server on a two-node pg_auto_failover cluster on this machine")
+        add(f"(`scripts/ha-cluster.sh`), `{on['scenario']}` at {on['concurrency']} clients, with the standby in the")
+        add("commit quorum (every acknowledged transfer is on both nodes, ADR-008) and then trailing asynchronously.")
+        add("")
+        add("| synchronous replication | req/s | p50 ms | p99 ms | checks |")
+        add("|---|---:|---:|---:|---|")
+        for mode, r in (("on", on), ("off", off)):
+            add(f"| {mode} | {fmt(r['throughput_rps'])} | {fmt(r['latency_ms']['p50'], 2)} | {fmt(r['latency_ms']['p99'], 2)} | {checks(r)} |")
+        add("")
+        if off["throughput_rps"]:
+            add(f"With the standby in the commit quorum the server does {fmt(on['throughput_rps'] / off['throughput_rps'], 2)} of its")
+            add("asynchronous throughput: each commit waits for the standby's flush as well as its own.")
+        add("")
+
     add("## Targets")
     add("")
     add("| target | measured | met |")
@@ -375,8 +399,9 @@ def main():
             f"| storage ≤ {fmt(STORAGE_PER_TRANSFER_MAX)} bytes per transfer (see the table above) | {fmt(per)} bytes | "
             f"{yes(per <= STORAGE_PER_TRANSFER_MAX)} |"
         )
-    all_ok = all(r["ok"] for r in lg.values())
-    add(f"| every run's ledger and exactly-once checks pass | {sum(r['ok'] for r in lg.values())} of {len(lg)} | {yes(all_ok)} |")
+    runs = list(lg.values()) + list(replication.values())
+    all_ok = all(r["ok"] for r in runs)
+    add(f"| every run's ledger and exactly-once checks pass | {sum(r['ok'] for r in runs)} of {len(runs)} | {yes(all_ok)} |")
     add("")
     add("## Reproduce")
     add("")

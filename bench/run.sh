@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The benchmark, in one go, on a fresh database: pgbench running the SQL a
 # transfer needs (the database's own ceiling), then the release server
-# driven by the load generator for each scenario and concurrency, then
-# docs/benchmarks.md and docs/benchmarks.png from the results.
+# driven by the load generator for each scenario and concurrency, the same
+# server with synchronous replication on and off (bench/replication.sh, when
+# pg_autoctl is installed), then docs/benchmarks.md and docs/benchmarks.png
+# from the results.
 #
 #   bench/run.sh           full run (about 20 minutes)
 #   bench/run.sh --quick   short durations and fewer accounts: a smoke check
@@ -111,6 +113,11 @@ for c in $CONCURRENCIES; do pgbench_run read "$c" read.sql -D read_keys="$READ_K
 # their k claims in one statement, as the server's posting batches write
 # them (k = 16, and 32: BATCH_TRANSFERS_MAX, the most a server batch holds).
 psql "$BENCH_URL" -qAt -f bench/pgbench/pairs.sql >/dev/null
+# Statistics for the tables the runs above filled: a plan made on the empty
+# tables' (autovacuum analyzes later, and each pgbench connection keeps its
+# plans) reads every key of the benchmark's one principal per batch, and
+# the batched ceiling would fall below the naive one as the tables grow.
+psql "$BENCH_URL" -qAt -c "ANALYZE" >/dev/null
 for k in $BATCHED_K; do
   for c in $CONCURRENCIES; do pgbench_run "newb${k}" "$c" transfer_batch.sql -D hot=0 -D k="$k"; done
   for c in $CONCURRENCIES; do pgbench_run "hotb${k}" "$c" transfer_batch.sql -D hot=1 -D k="$k"; done
@@ -167,6 +174,20 @@ psql "$BENCH_URL" -qAt -F ' ' -c "
     AND c.relname IN ('transfers', 'ledger_entries', 'idempotency_keys', 'holds', 'events')
   ORDER BY c.relname" > "$OUT/storage.txt"
 cat "$OUT/storage.txt"
+
+# What synchronous replication costs (ADR-008): the same server on a
+# two-node pg_auto_failover cluster of its own (never the machine's
+# PostgreSQL), when pg_autoctl is installed; BENCH_REPLICATION=0 skips it.
+if [ "${BENCH_REPLICATION:-1}" = 1 ] && command -v pg_autoctl >/dev/null 2>&1; then
+  echo "== synchronous replication (bench/replication.sh)"
+  if ! BENCH_REPLICATION_OUT="$OUT/replication" BENCH_REPLICATION_SECONDS="$SECONDS_PER_RUN" \
+      bash bench/replication.sh; then
+    echo "CHECKS FAILED: replication" | tee -a "$OUT/failures.txt"
+    FAILED=1
+  fi
+else
+  echo "== synchronous replication: skipped (no pg_autoctl, or BENCH_REPLICATION=0)"
+fi
 
 if [ "$WRITE_DOCS" = 1 ]; then
   echo "== report"
