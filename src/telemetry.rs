@@ -25,6 +25,7 @@ pub const HTTP_REQUEST_DURATION_SECONDS: &str = "nexo_http_request_duration_seco
 pub const IDEMPOTENCY_OUTCOMES_TOTAL: &str = "nexo_idempotency_outcomes_total";
 pub const CLAIM_STATEMENTS_TOTAL: &str = "nexo_idempotency_claim_statements_total";
 pub const CLAIM_ATTEMPTS_TOTAL: &str = "nexo_idempotency_claim_attempts_total";
+pub const CLAIMS_QUEUED: &str = "nexo_idempotency_claims_queued";
 pub const TRANSFERS_POSTED_TOTAL: &str = "nexo_transfers_posted_total";
 pub const TRANSFERS_REJECTED_TOTAL: &str = "nexo_transfers_rejected_total";
 pub const HOLDS_TOTAL: &str = "nexo_holds_total";
@@ -46,12 +47,13 @@ pub const WEBHOOK_ENDPOINTS_DISABLED_TOTAL: &str = "nexo_webhook_endpoints_disab
 pub const WEBHOOK_OLDEST_UNDELIVERED_SECONDS: &str = "nexo_webhook_oldest_undelivered_seconds";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 24] = [
+pub const METRICS: [&str; 25] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
     CLAIM_STATEMENTS_TOTAL,
     CLAIM_ATTEMPTS_TOTAL,
+    CLAIMS_QUEUED,
     TRANSFERS_POSTED_TOTAL,
     TRANSFERS_REJECTED_TOTAL,
     HOLDS_TOTAL,
@@ -170,6 +172,11 @@ fn describe() {
         Unit::Count,
         "Insert-first claim attempts those statements carried (attempts / statements = claims per statement)"
     );
+    describe_gauge!(
+        CLAIMS_QUEUED,
+        Unit::Count,
+        "Claims waiting in memory for a claim statement on this instance"
+    );
     describe_counter!(
         HOLDS_TOTAL,
         Unit::Count,
@@ -276,6 +283,7 @@ fn describe() {
     counter!(DB_POOL_ACQUIRE_TIMEOUTS_TOTAL).absolute(0);
     counter!(CLAIM_STATEMENTS_TOTAL).absolute(0);
     counter!(CLAIM_ATTEMPTS_TOTAL).absolute(0);
+    gauge!(CLAIMS_QUEUED).set(0.0);
     for result in ["ok", "error"] {
         counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
     }
@@ -373,6 +381,12 @@ pub fn webhook_attempt(outcome: &'static str) {
 pub fn claim_statement(attempts: usize) {
     counter!(CLAIM_STATEMENTS_TOTAL).increment(1);
     counter!(CLAIM_ATTEMPTS_TOTAL).increment(u64::try_from(attempts).unwrap_or(u64::MAX));
+}
+
+/// Claims entered (`1.0`) or left (`-1.0`) the queue for a claim
+/// statement.
+pub fn claims_queued(change: f64) {
+    gauge!(CLAIMS_QUEUED).increment(change);
 }
 
 /// The worker disabled an endpoint whose head event failed past the retry

@@ -21,26 +21,14 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const STATEMENTS: &str = "nexo_idempotency_claim_statements_total";
 const ATTEMPTS: &str = "nexo_idempotency_claim_attempts_total";
-
-async fn principal_of(pool: &PgPool, account: &str) -> uuid::Uuid {
-    sqlx::query_scalar("SELECT principal_id FROM accounts WHERE id = $1")
-        .bind(account)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-/// Claim statements of the service waiting for a lock right now.
-async fn claims_waiting_on_a_lock(pool: &PgPool) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity
-         WHERE datname = current_database() AND wait_event_type = 'Lock'
-           AND query LIKE '%INSERT INTO idempotency_keys%'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
+const QUEUE: &str = "nexo_idempotency_claims_queued";
+/// Claims sent while both claim statements are busy: 24 keys, one of them
+/// sent twice more, another once more for another amount.
+const QUEUED: usize = 27;
+/// How long a test waits for a situation it set up before it fails. The
+/// gated statements end at the key pool's 5 s statement timeout, and the
+/// waits check they are still held.
+const SITUATION_DEADLINE: Duration = Duration::from_secs(4);
 
 /// Sends every (key, body) at once, each on its own connection.
 async fn send_all(app: Arc<TestApp>, requests: Vec<(String, Value)>) -> Vec<(String, Reply)> {
@@ -61,47 +49,92 @@ async fn send_all(app: Arc<TestApp>, requests: Vec<(String, Value)>) -> Vec<(Str
     replies
 }
 
+/// A gate in the database: inserting a key listed in `claim_gate` waits
+/// (sleeping, so no `lock_timeout` ends it; the key pool's 5 s
+/// `statement_timeout` still does) until the test opens the gate. It makes
+/// a claim statement busy for as long as the test needs, and nothing else.
+async fn install_claim_gate(pool: &PgPool) {
+    for statement in [
+        "CREATE TABLE claim_gate (idempotency_key text PRIMARY KEY, open boolean NOT NULL DEFAULT false)",
+        "CREATE FUNCTION wait_at_claim_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             WHILE EXISTS (SELECT 1 FROM claim_gate
+                           WHERE idempotency_key = NEW.idempotency_key AND NOT open) LOOP
+                 PERFORM pg_sleep(0.005);
+             END LOOP;
+             RETURN NEW;
+         END $$",
+        "CREATE TRIGGER claim_gate BEFORE INSERT ON idempotency_keys
+         FOR EACH ROW EXECUTE FUNCTION wait_at_claim_gate()",
+    ] {
+        sqlx::query(statement).execute(pool).await.unwrap();
+    }
+}
+
+/// Claim statements of the service held at the gate right now.
+async fn claims_at_the_gate(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event = 'PgSleep'
+           AND query LIKE '%INSERT INTO idempotency_keys%'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Waits until `situation` holds, failing the test past [`SITUATION_DEADLINE`].
+async fn until<F, Fut>(what: &str, mut situation: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !situation().await {
+        assert!(
+            started.elapsed() < SITUATION_DEADLINE,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[sqlx::test]
 async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_once(pool: PgPool) {
     let _serial = SERIAL.lock().await;
     let app = Arc::new(TestApp::spawn(pool.clone()).await);
-    let principal = principal_of(&pool, A_USD).await;
+    // Connections (the client's, the key pool's) opened and the request path
+    // run once, so what follows reaches its claims in milliseconds, well
+    // inside the gated statements' 5 s statement timeout.
+    let warm: Vec<(String, Value)> = (0..QUEUED + 2)
+        .map(|_| (new_key(), transfer(A_USD, B_USD, 1, "USD")))
+        .collect();
+    for (key, reply) in send_all(Arc::clone(&app), warm).await {
+        assert_eq!(reply.status, 201, "{key}: warming up");
+    }
+    install_claim_gate(&pool).await;
     let before = app.metrics().await;
     let a_before = app.balance(A_USD).await;
 
-    // Both claim statements the service runs at once are made to wait: each
-    // inserts a key another transaction is inserting too.
-    let blocked: Vec<String> = (0..2).map(|_| new_key()).collect();
-    let mut blocker = pool.begin().await.unwrap();
-    for key in &blocked {
-        sqlx::query(
-            "INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path,
-                                           fingerprint, status, lock_token, locked_until, expires_at,
-                                           retain_until)
-             VALUES ($1, $2, 'POST', '/transfers', decode(repeat('00', 32), 'hex'), 'IN_PROGRESS',
-                     gen_random_uuid(), now() + interval '30 seconds', now() + interval '1 day',
-                     now() + interval '2 days')",
+    // Both claim statements the service runs at once are made busy, one
+    // after the other, so that each is a statement of its own.
+    let gated: Vec<String> = (0..2).map(|_| new_key()).collect();
+    let mut first = Vec::new();
+    for (n, key) in gated.iter().enumerate() {
+        sqlx::query("INSERT INTO claim_gate (idempotency_key) VALUES ($1)")
+            .bind(key)
+            .execute(&pool)
+            .await
+            .unwrap();
+        first.push(tokio::spawn(send_all(
+            Arc::clone(&app),
+            vec![(key.clone(), transfer(A_USD, B_USD, 1, "USD"))],
+        )));
+        until(
+            "each gated claim held in a statement of its own",
+            || async { claims_at_the_gate(&pool).await == n as i64 + 1 },
         )
-        .bind(principal)
-        .bind(key)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    }
-    let first = tokio::spawn(send_all(
-        Arc::clone(&app),
-        blocked
-            .iter()
-            .map(|k| (k.clone(), transfer(A_USD, B_USD, 1, "USD")))
-            .collect(),
-    ));
-    let started = Instant::now();
-    while claims_waiting_on_a_lock(&pool).await < 2 {
-        assert!(
-            started.elapsed() < Duration::from_millis(800),
-            "the two claims never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        .await;
     }
 
     // Meanwhile: 24 new keys, one of them sent three times, another sent
@@ -114,24 +147,35 @@ async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_on
     requests.push((keys[0].clone(), transfer(A_USD, B_USD, 2, "USD")));
     requests.push((keys[0].clone(), transfer(A_USD, B_USD, 2, "USD")));
     requests.push((keys[1].clone(), transfer(A_USD, B_USD, 3, "USD")));
+    assert_eq!(requests.len(), QUEUED);
     let queued = tokio::spawn(send_all(Arc::clone(&app), requests));
-    // Time for the requests to reach the claim queue; the blocked claims'
-    // lock timeout is 1 s.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        claims_waiting_on_a_lock(&pool).await,
-        2,
-        "both statements still waited while the others queued"
-    );
-    blocker.rollback().await.unwrap();
+    until(
+        "every other claim queued while both statements were busy",
+        || async {
+            let in_queue = app.metrics().await.value(QUEUE, &[]);
+            assert_eq!(
+                claims_at_the_gate(&pool).await,
+                2,
+                "both statements stayed busy while the others queued ({in_queue} queued)"
+            );
+            in_queue >= QUEUED as f64
+        },
+    )
+    .await;
+    sqlx::query("UPDATE claim_gate SET open = true")
+        .execute(&pool)
+        .await
+        .unwrap();
 
-    for (key, reply) in first.await.unwrap() {
-        assert_eq!(
-            reply.status,
-            201,
-            "{key}: {}",
-            String::from_utf8_lossy(&reply.body)
-        );
+    for task in first {
+        for (key, reply) in task.await.unwrap() {
+            assert_eq!(
+                reply.status,
+                201,
+                "{key}: {}",
+                String::from_utf8_lossy(&reply.body)
+            );
+        }
     }
     let replies = queued.await.unwrap();
     let mut by_key: HashMap<&str, Vec<&Reply>> = HashMap::new();
@@ -165,7 +209,7 @@ async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_on
     let amounts: i64 = sqlx::query_scalar(
         "SELECT COALESCE(sum(amount_minor), 0)::int8 FROM transfers WHERE idempotency_key = ANY($1)",
     )
-    .bind(blocked.iter().chain(&keys).cloned().collect::<Vec<_>>())
+    .bind(gated.iter().chain(&keys).cloned().collect::<Vec<_>>())
     .fetch_one(&pool)
     .await
     .unwrap();
@@ -178,9 +222,10 @@ async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_on
         after.delta(&before, ATTEMPTS, &[]),
     );
     println!("{attempts} claim attempts in {statements} statements");
-    assert!(
-        attempts >= statements + 10.0,
-        "the queued claims shared statements: {attempts} attempts in {statements} statements"
+    assert_eq!(
+        (attempts, statements),
+        ((QUEUED + 2) as f64, 3.0),
+        "each gated claim alone, then every queued claim in one statement"
     );
 }
 

@@ -20,6 +20,7 @@ use super::store::{self, ClaimAttempt, ClaimInput, ClaimOutcome, Policy};
 use super::{Claim, Fingerprint, IdempotencyKey};
 use crate::db::KeyPool;
 use crate::principal::PrincipalId;
+use crate::telemetry;
 
 /// The most claims one statement carries: the posting batches' size
 /// (`BATCH_TRANSFERS_MAX`) twice, so a full posting batch's claims never
@@ -86,7 +87,11 @@ impl ClaimBatcher {
             input: input.clone(),
             reply,
         };
+        // Counted before it is sent, so the dispatcher never takes out
+        // what was not yet counted in.
+        telemetry::claims_queued(1.0);
         if self.queue.send(pending).await.is_err() {
+            telemetry::claims_queued(-1.0);
             // The dispatcher is gone (the runtime is shutting down).
             return store::insert_one(self.keys.pool(), self.policy, input).await;
         }
@@ -115,6 +120,7 @@ async fn dispatch(keys: KeyPool, policy: Policy, mut waiting: mpsc::Receiver<Pen
                 Err(_) => break,
             }
         }
+        telemetry::claims_queued(-(batch.len() as f64));
         let keys = keys.clone();
         tokio::spawn(async move {
             run(&keys, policy, batch).await;
