@@ -26,6 +26,7 @@ pub const IDEMPOTENCY_OUTCOMES_TOTAL: &str = "nexo_idempotency_outcomes_total";
 pub const CLAIM_STATEMENTS_TOTAL: &str = "nexo_idempotency_claim_statements_total";
 pub const CLAIM_ATTEMPTS_TOTAL: &str = "nexo_idempotency_claim_attempts_total";
 pub const CLAIMS_QUEUED: &str = "nexo_idempotency_claims_queued";
+pub const CLAIM_BATCHES_SPLIT_TOTAL: &str = "nexo_idempotency_claim_batches_split_total";
 pub const TRANSFERS_POSTED_TOTAL: &str = "nexo_transfers_posted_total";
 pub const TRANSFERS_REJECTED_TOTAL: &str = "nexo_transfers_rejected_total";
 pub const HOLDS_TOTAL: &str = "nexo_holds_total";
@@ -47,13 +48,14 @@ pub const WEBHOOK_ENDPOINTS_DISABLED_TOTAL: &str = "nexo_webhook_endpoints_disab
 pub const WEBHOOK_OLDEST_UNDELIVERED_SECONDS: &str = "nexo_webhook_oldest_undelivered_seconds";
 
 /// Every metric this process exports; `docs/operations.md` describes each.
-pub const METRICS: [&str; 25] = [
+pub const METRICS: [&str; 26] = [
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     IDEMPOTENCY_OUTCOMES_TOTAL,
     CLAIM_STATEMENTS_TOTAL,
     CLAIM_ATTEMPTS_TOTAL,
     CLAIMS_QUEUED,
+    CLAIM_BATCHES_SPLIT_TOTAL,
     TRANSFERS_POSTED_TOTAL,
     TRANSFERS_REJECTED_TOTAL,
     HOLDS_TOTAL,
@@ -178,6 +180,11 @@ fn describe() {
         "Claims waiting in memory for a claim statement on this instance"
     );
     describe_counter!(
+        CLAIM_BATCHES_SPLIT_TOTAL,
+        Unit::Count,
+        "Claim statements of several claims that failed and were retried claim by claim"
+    );
+    describe_counter!(
         HOLDS_TOTAL,
         Unit::Count,
         "Pending transfers (holds) by what happened to them: created, posted, voided, expired"
@@ -284,6 +291,7 @@ fn describe() {
     counter!(CLAIM_STATEMENTS_TOTAL).absolute(0);
     counter!(CLAIM_ATTEMPTS_TOTAL).absolute(0);
     gauge!(CLAIMS_QUEUED).set(0.0);
+    counter!(CLAIM_BATCHES_SPLIT_TOTAL).absolute(0);
     for result in ["ok", "error"] {
         counter!(PURGE_RUNS_TOTAL, "result" => result).absolute(0);
     }
@@ -387,6 +395,11 @@ pub fn claim_statement(attempts: usize) {
 /// statement.
 pub fn claims_queued(change: f64) {
     gauge!(CLAIMS_QUEUED).increment(change);
+}
+
+/// A claim statement of several claims failed; each is tried alone.
+pub fn claim_batch_split() {
+    counter!(CLAIM_BATCHES_SPLIT_TOTAL).increment(1);
 }
 
 /// The worker disabled an endpoint whose head event failed past the retry

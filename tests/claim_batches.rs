@@ -22,6 +22,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const STATEMENTS: &str = "nexo_idempotency_claim_statements_total";
 const ATTEMPTS: &str = "nexo_idempotency_claim_attempts_total";
 const QUEUE: &str = "nexo_idempotency_claims_queued";
+const SPLIT: &str = "nexo_idempotency_claim_batches_split_total";
 /// Claims sent while both claim statements are busy: 24 keys, one of them
 /// sent twice more, another once more for another amount.
 const QUEUED: usize = 27;
@@ -99,43 +100,80 @@ where
     }
 }
 
+/// Opens the connections (the client's, the key pool's) and runs the
+/// request path `requests` times at once, so that what a test sends next
+/// reaches its claims in milliseconds, well inside the gated statements'
+/// 5 s statement timeout.
+async fn warm_up(app: &Arc<TestApp>, requests: usize) {
+    let warm: Vec<(String, Value)> = (0..requests)
+        .map(|_| (new_key(), transfer(A_USD, B_USD, 1, "USD")))
+        .collect();
+    for (key, reply) in send_all(Arc::clone(app), warm).await {
+        assert_eq!(reply.status, 201, "{key}: warming up");
+    }
+}
+
+/// Both claim statements the service runs at once, held at the gate: each
+/// carries one transfer of 1 under a key of its own.
+struct BusyStatements {
+    keys: Vec<String>,
+    requests: Vec<tokio::task::JoinHandle<Vec<(String, Reply)>>>,
+}
+
+impl BusyStatements {
+    /// One after the other, so that each is a statement of its own.
+    async fn start(app: &Arc<TestApp>, pool: &PgPool) -> Self {
+        let keys: Vec<String> = (0..2).map(|_| new_key()).collect();
+        let mut requests = Vec::new();
+        for (n, key) in keys.iter().enumerate() {
+            sqlx::query("INSERT INTO claim_gate (idempotency_key) VALUES ($1)")
+                .bind(key)
+                .execute(pool)
+                .await
+                .unwrap();
+            requests.push(tokio::spawn(send_all(
+                Arc::clone(app),
+                vec![(key.clone(), transfer(A_USD, B_USD, 1, "USD"))],
+            )));
+            until(
+                "each gated claim held in a statement of its own",
+                || async { claims_at_the_gate(pool).await == n as i64 + 1 },
+            )
+            .await;
+        }
+        Self { keys, requests }
+    }
+
+    /// Opens the gate; the two transfers are made. Returns their keys.
+    async fn release(self, pool: &PgPool) -> Vec<String> {
+        sqlx::query("UPDATE claim_gate SET open = true")
+            .execute(pool)
+            .await
+            .unwrap();
+        for task in self.requests {
+            for (key, reply) in task.await.unwrap() {
+                assert_eq!(
+                    reply.status,
+                    201,
+                    "{key}: {}",
+                    String::from_utf8_lossy(&reply.body)
+                );
+            }
+        }
+        self.keys
+    }
+}
+
 #[sqlx::test]
 async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_once(pool: PgPool) {
     let _serial = SERIAL.lock().await;
     let app = Arc::new(TestApp::spawn(pool.clone()).await);
-    // Connections (the client's, the key pool's) opened and the request path
-    // run once, so what follows reaches its claims in milliseconds, well
-    // inside the gated statements' 5 s statement timeout.
-    let warm: Vec<(String, Value)> = (0..QUEUED + 2)
-        .map(|_| (new_key(), transfer(A_USD, B_USD, 1, "USD")))
-        .collect();
-    for (key, reply) in send_all(Arc::clone(&app), warm).await {
-        assert_eq!(reply.status, 201, "{key}: warming up");
-    }
+    warm_up(&app, QUEUED + 2).await;
     install_claim_gate(&pool).await;
     let before = app.metrics().await;
     let a_before = app.balance(A_USD).await;
 
-    // Both claim statements the service runs at once are made busy, one
-    // after the other, so that each is a statement of its own.
-    let gated: Vec<String> = (0..2).map(|_| new_key()).collect();
-    let mut first = Vec::new();
-    for (n, key) in gated.iter().enumerate() {
-        sqlx::query("INSERT INTO claim_gate (idempotency_key) VALUES ($1)")
-            .bind(key)
-            .execute(&pool)
-            .await
-            .unwrap();
-        first.push(tokio::spawn(send_all(
-            Arc::clone(&app),
-            vec![(key.clone(), transfer(A_USD, B_USD, 1, "USD"))],
-        )));
-        until(
-            "each gated claim held in a statement of its own",
-            || async { claims_at_the_gate(&pool).await == n as i64 + 1 },
-        )
-        .await;
-    }
+    let gated = BusyStatements::start(&app, &pool).await;
 
     // Meanwhile: 24 new keys, one of them sent three times, another sent
     // again for a different amount.
@@ -162,21 +200,7 @@ async fn claims_queued_behind_busy_statements_share_one_and_each_key_executes_on
         },
     )
     .await;
-    sqlx::query("UPDATE claim_gate SET open = true")
-        .execute(&pool)
-        .await
-        .unwrap();
-
-    for task in first {
-        for (key, reply) in task.await.unwrap() {
-            assert_eq!(
-                reply.status,
-                201,
-                "{key}: {}",
-                String::from_utf8_lossy(&reply.body)
-            );
-        }
-    }
+    let gated = gated.release(&pool).await;
     let replies = queued.await.unwrap();
     let mut by_key: HashMap<&str, Vec<&Reply>> = HashMap::new();
     for (key, reply) in &replies {
@@ -281,5 +305,111 @@ async fn a_key_row_locked_elsewhere_holds_up_neither_its_duplicate_nor_other_cla
     println!("11 requests answered in {took:?} beside a locked key row");
     holder.rollback().await.unwrap();
     assert_eq!(transfers_under(&pool, &done).await, 1);
+    assert_ledger_consistent(&pool).await;
+}
+
+/// A statement of several claims that fails is split: each claim is tried
+/// alone, so one key's trouble stays that key's. Here one key of the pair
+/// is being inserted by a transaction that outlasts the key pool's 1 s
+/// lock timeout: the pair's statement times out, the other claim is then
+/// made and its transfer posted, and only the held key's request gets a
+/// retryable 503, with nothing claimed for it; its retry is made once the
+/// key is free.
+#[sqlx::test]
+async fn a_failed_statement_of_several_claims_is_retried_claim_by_claim(pool: PgPool) {
+    let _serial = SERIAL.lock().await;
+    let app = Arc::new(TestApp::spawn(pool.clone()).await);
+    warm_up(&app, 4).await;
+    install_claim_gate(&pool).await;
+    let before = app.metrics().await;
+    let a_before = app.balance(A_USD).await;
+
+    let held = new_key();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency_keys (principal_id, idempotency_key, request_method, request_path,
+                                       fingerprint, status, lock_token, locked_until, expires_at,
+                                       retain_until)
+         SELECT principal_id, $2, 'POST', '/transfers', decode(repeat('00', 32), 'hex'),
+                'IN_PROGRESS', gen_random_uuid(), now() + interval '30 seconds',
+                now() + interval '1 day', now() + interval '2 days'
+         FROM accounts WHERE id = $1",
+    )
+    .bind(A_USD)
+    .bind(&held)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+
+    // The pair queues behind two busy statements, so it is sent as one.
+    let busy = BusyStatements::start(&app, &pool).await;
+    let free = new_key();
+    let pair = tokio::spawn(send_all(
+        Arc::clone(&app),
+        vec![
+            (held.clone(), transfer(A_USD, B_USD, 4, "USD")),
+            (free.clone(), transfer(A_USD, B_USD, 6, "USD")),
+        ],
+    ));
+    until("the pair queued together", || async {
+        app.metrics().await.value(QUEUE, &[]) >= 2.0
+    })
+    .await;
+    let gated = busy.release(&pool).await;
+
+    let replies: HashMap<String, Reply> = pair.await.unwrap().into_iter().collect();
+    let after = app.metrics().await;
+    assert_eq!(
+        after.delta(&before, SPLIT, &[]),
+        1.0,
+        "the pair's statement failed and was split"
+    );
+    let made = &replies[&free];
+    assert_eq!(
+        made.status,
+        201,
+        "the free key is made: {}",
+        String::from_utf8_lossy(&made.body)
+    );
+    let refused = &replies[&held];
+    assert_eq!(
+        refused.status,
+        503,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert_eq!(
+        refused.headers["content-type"], "application/problem+json",
+        "a problem document"
+    );
+    assert!(
+        refused.headers.contains_key("retry-after"),
+        "a retryable refusal"
+    );
+    holder.rollback().await.unwrap();
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1")
+            .bind(&held)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, 0, "nothing was claimed for the refused request");
+    assert_eq!(transfers_under(&pool, &held).await, 0);
+
+    let retried = app
+        .post_transfer(TOKEN_A, &held, &transfer(A_USD, B_USD, 4, "USD"))
+        .await;
+    assert_eq!(
+        retried.status, 201,
+        "the retry is made once the key is free"
+    );
+    for key in gated.iter().chain([&held, &free]) {
+        assert_eq!(transfers_under(&pool, key).await, 1, "{key} executed once");
+    }
+    assert_eq!(
+        a_before - app.balance(A_USD).await,
+        1 + 1 + 4 + 6,
+        "the ledger moved the four transfers, each once"
+    );
     assert_ledger_consistent(&pool).await;
 }

@@ -151,6 +151,7 @@ async fn run(keys: &KeyPool, policy: Policy, batch: Vec<Pending>) {
             // transient one is retried by its request, a bad row fails
             // only its own).
             tracing::warn!(error = %e, claims = batch.len(), "a claim batch failed; claiming one by one");
+            telemetry::claim_batch_split();
             for pending in batch {
                 let keys = keys.clone();
                 tokio::spawn(async move {
