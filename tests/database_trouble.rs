@@ -174,3 +174,61 @@ async fn backends_terminated_mid_load_leave_nothing_half_done(pool: PgPool) {
     );
     assert!(terminated > 0, "no backend was terminated");
 }
+
+/// A connection that sat idle past `ALIVE_CHECK_AFTER_IDLE` is pinged before
+/// it is handed out, and replaced if dead: backends cut while the service
+/// was quiet (a restart at night, an idle-session killer) cost no request.
+/// (One in steady use is not pinged; if cut, its next statement fails and
+/// the request gets a retryable 503, as the test above shows.)
+#[sqlx::test(migrator = "nexo_transfers::db::MIGRATOR")]
+async fn connections_cut_while_idle_are_replaced_before_a_request_meets_them(pool: PgPool) {
+    let server = ServerProcess::start(&database_url(&pool), &SERVER_ENV).await;
+    let client = reqwest::Client::new();
+    let body = transfer(A_USD, B_USD, 1, "USD");
+    let send = |key: String| {
+        let (client, body, base) = (client.clone(), body.clone(), server.base.clone());
+        async move {
+            try_post_transfer(&client, &base, TOKEN_A, &key, &body)
+                .await
+                .unwrap()
+        }
+    };
+    // The service's pools (main and keys) hold connections.
+    let mut keys = Vec::new();
+    for _ in 0..4 {
+        let key = new_key();
+        assert_eq!(send(key.clone()).await.status, 201);
+        keys.push(key);
+    }
+    let before = balance(&pool, A_USD).await;
+    let killed = scalar(
+        &pool,
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                               WHERE datname = current_database() AND backend_type = 'client backend'
+                                 AND pid <> pg_backend_pid()) killed",
+    )
+    .await;
+    assert!(
+        killed >= 2,
+        "the service's idle connections were cut ({killed})"
+    );
+    tokio::time::sleep(nexo_transfers::db::ALIVE_CHECK_AFTER_IDLE + Duration::from_millis(200))
+        .await;
+
+    for _ in 0..4 {
+        let key = new_key();
+        let reply = send(key.clone()).await;
+        assert_eq!(
+            reply.status,
+            201,
+            "no request meets a dead connection: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        keys.push(key);
+    }
+    assert_eq!(before - balance(&pool, A_USD).await, 4);
+    for key in &keys {
+        assert_eq!(transfers_under(&pool, key).await, 1, "{key} executed once");
+    }
+    assert_ledger_consistent(&pool).await;
+}
