@@ -2,8 +2,9 @@
 //! Claims that arrive together share one statement (ADR-006), and stay
 //! what they were alone: each key claimed once, insert-first, each request
 //! answered for its own key (a duplicate 409 or its replay, a reuse 422),
-//! and a key whose row someone else holds locked holds up neither its own
-//! duplicate nor anybody else's claim.
+//! a key whose row someone else holds locked holds up neither its own
+//! duplicate nor anybody else's claim, and a statement of several claims
+//! that fails is split, so one key's trouble stays that key's.
 
 mod common;
 
