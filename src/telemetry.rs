@@ -177,7 +177,7 @@ fn describe() {
     describe_gauge!(
         CLAIMS_QUEUED,
         Unit::Count,
-        "Claims waiting in memory for a claim statement on this instance"
+        "Claims waiting in memory for a claim statement on this instance, sampled at each scrape"
     );
     describe_counter!(
         CLAIM_BATCHES_SPLIT_TOTAL,
@@ -391,10 +391,9 @@ pub fn claim_statement(attempts: usize) {
     counter!(CLAIM_ATTEMPTS_TOTAL).increment(u64::try_from(attempts).unwrap_or(u64::MAX));
 }
 
-/// Claims entered (`1.0`) or left (`-1.0`) the queue for a claim
-/// statement.
-pub fn claims_queued(change: f64) {
-    gauge!(CLAIMS_QUEUED).increment(change);
+/// The claim queue's length, sampled at each scrape.
+pub fn sample_claims_queued(queued: usize) {
+    gauge!(CLAIMS_QUEUED).set(queued as f64);
 }
 
 /// A claim statement of several claims failed; each is tried alone.

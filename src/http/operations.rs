@@ -96,6 +96,7 @@ pub async fn reconciliation(State(state): State<AppState>, _: Admin) -> Json<Las
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let recorder = telemetry::recorder().ok_or(ApiError::ServiceUnavailable)?;
     telemetry::sample_pool(&state.pool);
+    telemetry::sample_claims_queued(state.transfers.claims.queued());
     Ok((
         [(
             header::CONTENT_TYPE,

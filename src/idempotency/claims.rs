@@ -81,17 +81,19 @@ impl ClaimBatcher {
         .await
     }
 
+    /// Claims waiting for a statement right now: the queue's length,
+    /// read off the channel, so nothing on the claim path counts it.
+    pub fn queued(&self) -> usize {
+        self.queue.max_capacity() - self.queue.capacity()
+    }
+
     async fn attempt(&self, input: ClaimInput) -> Result<ClaimAttempt, sqlx::Error> {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             input: input.clone(),
             reply,
         };
-        // Counted before it is sent, so the dispatcher never takes out
-        // what was not yet counted in.
-        telemetry::claims_queued(1.0);
         if self.queue.send(pending).await.is_err() {
-            telemetry::claims_queued(-1.0);
             // The dispatcher is gone (the runtime is shutting down).
             return store::insert_one(self.keys.pool(), self.policy, input).await;
         }
@@ -120,7 +122,6 @@ async fn dispatch(keys: KeyPool, policy: Policy, mut waiting: mpsc::Receiver<Pen
                 Err(_) => break,
             }
         }
-        telemetry::claims_queued(-(batch.len() as f64));
         let keys = keys.clone();
         tokio::spawn(async move {
             run(&keys, policy, batch).await;
